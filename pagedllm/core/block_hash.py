@@ -1,0 +1,59 @@
+"""Chained content hashes of full KV blocks: the keys of the prefix cache.
+
+    block 0: hash(b"",     tokens[0:16],  salt)   salt only in the first block
+    block 1: hash(hash_0,  tokens[16:32])
+    block 2: hash(hash_1,  tokens[32:48])         a block's hash names its whole prefix
+
+Two requests share block i only if every token before the end of block i is equal (and
+so is the cache salt). The hash is collision resistant (sha256, or xxh3-128 when asked
+for speed) over a fixed byte encoding, never Python's salted `hash()`. A partial last
+block has no hash and is never shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+
+from pagedllm.request import Request
+
+BlockHash = bytes
+HashFunction = Callable[[bytes], bytes]
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def get_hash_function(algo: str) -> HashFunction:
+    if algo == "sha256":
+        return _sha256
+    if algo == "xxhash":
+        import xxhash
+
+        return xxhash.xxh3_128_digest
+    raise ValueError(f"prefix_caching_hash_algo: unknown {algo!r}; use sha256 or xxhash")
+
+
+def hash_block_tokens(hash_fn: HashFunction, parent_hash: BlockHash | None,
+                      token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
+    """Hash of one full block given its parent's hash (None for the first block)."""
+    parts = [parent_hash or b"", array("q", token_ids).tobytes()]
+    if cache_salt is not None:
+        salt = cache_salt.encode()
+        parts.append(b"salt" + len(salt).to_bytes(4, "little") + salt)
+    return hash_fn(b"".join(parts))
+
+
+def extend_block_hashes(request: Request, block_size: int, hash_fn: HashFunction) -> None:
+    """Hash every block of `request` that is full and not hashed yet."""
+    num_full_blocks = request.num_tokens // block_size
+    hashes = request.block_hashes
+    while len(hashes) < num_full_blocks:
+        index = len(hashes)
+        start = index * block_size
+        parent = hashes[-1] if hashes else None
+        salt = request.cache_salt if index == 0 else None
+        hashes.append(hash_block_tokens(hash_fn, parent, request.all_token_ids[start:start + block_size],
+                                        salt))

@@ -1,0 +1,261 @@
+"""Scheduler: the policy. Each step it decides which requests compute how many tokens.
+
+One token-count model: every request has `num_computed_tokens` catching up with
+`num_tokens`. A decode is a request one token behind; a prefill chunk is a request many
+tokens behind, capped by the step's token budget. Prefix hits start a request ahead;
+preemption sets it back to 0. There is no separate prefill path.
+
+A step:
+1. Running requests, oldest first, each get the tokens they lack (a decode: 1). A prefill
+   chunk is capped so every running request after it still gets its token: decodes are
+   never starved by a long prompt. When the pool is short, the newest running request
+   is preempted (blocks freed, recomputed later) until the allocation fits.
+2. If nobody was preempted, waiting requests are admitted (arrival order, or longest
+   cached prefix first with `lpm`) while seats, budget and blocks allow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
+from pagedllm.request import Request, RequestStatus
+
+# lpm looks this far down the waiting queue, and lets the head be passed over at most
+# this many times before it is admitted regardless (bounded wait, no starvation).
+LPM_WINDOW = 64
+LPM_MAX_SKIPS = 16
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: OrderedDict[str, Request] = OrderedDict()
+        self.running: list[Request] = []
+        self._finished_req_ids: list[str] = []
+        self._head_skips = 0
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (the engine checked its length against max_model_len)."""
+        self.requests[request.req_id] = request
+        self.waiting[request.req_id] = request
+        request.metrics.queued_time = time.monotonic()
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, or a stop string found by the
+        detokenizer); their blocks return to the pool at once."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                del self.waiting[req_id]
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.token_budget
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        token_budget = self._schedule_running(token_budget, scheduled, preempted)
+        if not preempted:
+            token_budget = self._schedule_waiting(token_budget, scheduled)
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.config.token_budget - token_budget,
+            preempted_req_ids=[r.req_id for r in preempted],
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = []
+        return output
+
+    def _schedule_running(self, token_budget: int, scheduled: list[ScheduledRequest],
+                          preempted: list[Request]) -> int:
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_behind_me = len(self.running) - index - 1
+            num_new = min(request.num_tokens - request.num_computed_tokens,
+                          max(1, token_budget - num_behind_me))
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    return token_budget
+            scheduled.append(self._scheduled_request(request, num_new))
+            token_budget -= num_new
+            index += 1
+        return token_budget
+
+    def _schedule_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request, computed_blocks, num_hit_tokens = self._pick_waiting()
+            num_new = min(request.num_tokens - num_hit_tokens, token_budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+                break  # the pool is full: keep arrival order, try again next step
+            del self.waiting[request.req_id]
+            self._admit(request, num_hit_tokens)
+            scheduled.append(self._scheduled_request(request, num_new))
+            token_budget -= num_new
+        return token_budget
+
+    def _pick_waiting(self):
+        """The next request to admit, with its cached prefix blocks."""
+        head = next(iter(self.waiting.values()))
+        if self.config.scheduling_policy == "fcfs" or self._head_skips >= LPM_MAX_SKIPS:
+            self._head_skips = 0
+            blocks, num_hit = self.kv_cache_manager.get_computed_blocks(head)
+            return head, blocks, num_hit
+        best = None
+        for count, request in enumerate(self.waiting.values()):
+            if count == LPM_WINDOW:
+                break
+            blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if best is None or num_hit > best[2]:
+                best = (request, blocks, num_hit)
+        assert best is not None
+        self._head_skips = 0 if best[0] is head else self._head_skips + 1
+        return best
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        self.running.append(request)
+        if resumed:
+            self.prefix_cache_stats.preempted_recompute_saved += num_hit_tokens
+            return
+        request.num_cached_tokens = num_hit_tokens
+        request.metrics.first_scheduled_time = time.monotonic()
+        if self.kv_cache_manager.enable_caching:
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_prompt_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting[request.req_id] = request
+        self.waiting.move_to_end(request.req_id, last=False)
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
+        return ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids[start:end],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
+            do_sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    # ---- after the model ran ---------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance each scheduled request, append sampled tokens, finish stopped requests
+        (their blocks are freed now, their seats refilled next step)."""
+        now = time.monotonic()
+        outputs = []
+        any_finished = False
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.req_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            token_id = runner_output.sampled_token_ids.get(scheduled.req_id)
+            if token_id is None:
+                continue
+            request.append_output_token_id(token_id)
+            self.num_generation_tokens += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            logprobs = runner_output.logprobs.get(scheduled.req_id)
+            output = EngineCoreOutput(scheduled.req_id, [token_id], [logprobs] if logprobs else [])
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+                output.finish_reason = status.finish_reason
+                output.stop_reason = request.stop_reason
+                self._free_request(request, now)
+                any_finished = True
+            outputs.append(output)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _free_request(self, request: Request, now: float | None = None) -> None:
+        self.kv_cache_manager.free(request)
+        request.metrics.finished_time = now if now is not None else time.monotonic()
+        del self.requests[request.req_id]
+        self._finished_req_ids.append(request.req_id)
+
+    # ---- reporting ---------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=pool.usage,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=len(pool.cached_block_hash_to_block),
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generation_tokens=self.num_generation_tokens,
+            prefix_cache=self.prefix_cache_stats,
+        )

@@ -1,0 +1,201 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out.
+
+    add_request -> Scheduler.schedule -> Worker.execute_model (runner -> model -> sampler)
+                -> Scheduler.update_from_output -> OutputProcessor (text, stop strings)
+
+The offline LLM class and the server's engine loop both drive this object; it is not
+thread-safe: one thread calls it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.metrics.stats_logger import StatsLogger
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.loader import model_display_name, resolve_model_folder
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import load_tokenizer
+from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache
+from pagedllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
+        self.model_name = model_display_name(config.model)
+        folder = resolve_model_folder(config.model)
+        self.model_config = ModelConfig.from_folder(folder)
+        self.tokenizer = load_tokenizer(config.tokenizer or folder, config.chat_template)
+        max_model_len = self._resolve_max_model_len(config, self.model_config)
+        self.config = config.replace(max_model_len=max_model_len)
+
+        self.worker = Worker(self.config, folder, self.model_config)
+        self.worker.load_model(max_position=max_model_len)
+        kv_dtype = self.config.kv_cache_dtype
+        spec = KVCacheSpec.for_model(self.model_config, self.config.block_size,
+                                     str(self.worker.dtype).split(".")[-1] if kv_dtype == "auto" else kv_dtype)
+        self.kv_cache_plan = plan_kv_cache(spec, self.worker.kv_cache_budget_bytes(), max_model_len,
+                                           self.config.num_gpu_blocks_override)
+        self.worker.initialize_cache(self.kv_cache_plan)
+        self._log_startup_report(time.monotonic() - start)
+
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_plan.num_blocks, self.config.block_size,
+                                               self.config.enable_prefix_caching,
+                                               self.config.prefix_caching_hash_algo)
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats_logger = None if self.config.disable_log_stats else StatsLogger(
+            self.config.log_stats_interval, self.config.enable_prefix_caching)
+        self._eos_token_ids = frozenset(
+            [*self.model_config.eos_token_ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])])
+        self._request_counter = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.config.max_model_len is not None
+        return self.config.max_model_len
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    user: str | None = None) -> str:
+        """Validate, tokenize and queue one request. Raises ValueError (naming what is wrong)
+        before the request touches any engine state."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("n: the engine takes one sequence per request; LLM.generate and the server fan out n")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_tokens = self._check_lengths(prompt_ids, params)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs: {params.logprobs} is over the limit of {self.config.max_logprobs} "
+                             "(--max-logprobs)")
+        req_id = request_id if request_id is not None else str(next(self._request_counter))
+        if req_id in self.scheduler.requests or self.output_processor.has_request(req_id):
+            raise ValueError(f"request_id: {req_id!r} is already in use")
+        request = Request(
+            req_id=req_id, prompt_token_ids=prompt_ids, sampling_params=params,
+            eos_token_ids=self._eos_token_ids, max_tokens=max_tokens, prompt=prompt_text,
+            cache_salt=cache_salt, user=user, arrival_time=arrival_time or time.monotonic(),
+        )
+        self.output_processor.add_request(request)
+        self.scheduler.add_request(request)
+        return req_id
+
+    def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """End requests now, wherever they are; their blocks go back to the pool at once."""
+        ids = list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished_requests
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.worker.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(self.scheduler.make_stats())
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: the prompt is empty")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt: expected a string, token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, token_ids) -> list[int]:
+        if not isinstance(token_ids, list) or not token_ids:
+            raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids: every id must be an integer in [0, {vocab})")
+        return list(token_ids)
+
+    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens after checking it fits max_model_len."""
+        num_prompt = len(prompt_ids)
+        if not num_prompt:
+            raise ValueError("prompt: the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {num_prompt:,} tokens leave no room to generate within max_model_len "
+                f"{self.max_model_len:,}; shorten the prompt or raise --max-model-len"
+            )
+        if params.max_tokens is None:
+            return self.max_model_len - num_prompt
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({num_prompt:,} tokens) + max_tokens ({params.max_tokens:,}) = "
+                f"{num_prompt + params.max_tokens:,} is over max_model_len {self.max_model_len:,}; "
+                "lower max_tokens or shorten the prompt"
+            )
+        return params.max_tokens
+
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+        model_max = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len: {config.max_model_len:,} is over the model's context of "
+                             f"{model_max:,} tokens")
+        max_model_len = config.max_model_len or model_max
+        window = model_config.sliding_window
+        if window is not None and max_model_len > window:
+            logger.warning("This model uses sliding-window attention (%d); max_model_len is capped to it.", window)
+            max_model_len = window
+        return max_model_len
+
+    def _log_startup_report(self, load_seconds: float) -> None:
+        plan: KVCachePlan = self.kv_cache_plan
+        device = self.worker.device.type
+        logger.info("Model %s loaded in %.1f s: weights take %.2f GiB (%s) on %s",
+                    self.model_name, load_seconds, self.worker.weights_bytes / 2**30,
+                    str(self.worker.dtype).split(".")[-1], device)
+        logger.info("Available KV cache memory: %.2f GiB", plan.budget_bytes / 2**30)
+        logger.info("KV cache: %s blocks of %d tokens, %s bytes per token (%s)", f"{plan.num_blocks:,}",
+                    plan.spec.block_size, f"{plan.spec.bytes_per_token:,}", plan.spec.cache_dtype)
+        logger.info("%sKV cache size: %s tokens", "GPU " if device == "cuda" else "", f"{plan.num_tokens:,}")
+        logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{plan.max_model_len:,}",
+                    plan.max_concurrency)

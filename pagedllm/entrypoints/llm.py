@@ -1,0 +1,110 @@
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.logger import configure_logging
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import render_chat
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model and generate for a batch of prompts with continuous batching.
+
+    Args are EngineConfig's fields (`dtype`, `max_model_len`, `block_size`, `max_num_seqs`,
+    `max_num_batched_tokens`, `kv_cache_memory_bytes`, `enable_prefix_caching`, `seed`, ...).
+    `model=None` loads the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        configure_logging()
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_per_prompt(prompts, sampling_params)
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = render_chat(tokenizer, conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        return self._run(prompts, self._params_per_prompt(prompts, sampling_params), use_tqdm)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached-but-free block. Returns how many were dropped."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def _params_per_prompt(self, prompts: list, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        return list(sampling_params)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # One engine request per sequence; n > 1 fans out with seeds seed, seed+1, ...
+        owners: dict[str, tuple[int, int]] = {}
+        try:
+            for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                for j in range(p.n):
+                    child = p if p.n == 1 else dataclasses.replace(
+                        p, n=1, seed=None if p.seed is None else p.seed + j)
+                    req_id = engine.add_request(f"{next(self._ids)}", prompt, child)
+                    owners[req_id] = (index, j)
+        except ValueError:
+            engine.abort_request(list(owners))
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(owners), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished and output.request_id in owners:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return _merge_by_prompt(finished, owners, len(prompts))
+
+
+def _merge_by_prompt(finished: dict[str, RequestOutput], owners: dict[str, tuple[int, int]],
+                     num_prompts: int) -> list[RequestOutput]:
+    merged: list[RequestOutput | None] = [None] * num_prompts
+    for req_id, (index, j) in sorted(owners.items(), key=lambda item: item[1]):
+        output = finished[req_id]
+        completion = dataclasses.replace(output.outputs[0], index=j)
+        if merged[index] is None:
+            merged[index] = dataclasses.replace(output, outputs=[completion])
+        else:
+            merged[index].outputs.append(completion)  # type: ignore[union-attr]
+    return [m for m in merged if m is not None]

@@ -1,0 +1,49 @@
+"""The periodic stats line, logged every `interval` seconds while the engine is busy:
+
+    Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 190.2 tokens/s,
+    Running: 32 reqs, Waiting: 5 reqs, KV cache usage: 41.3%, Prefix cache hit rate: 88.1%
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.metrics.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class StatsLogger:
+    def __init__(self, interval: float, prefix_caching: bool) -> None:
+        self.interval = interval
+        self.prefix_caching = prefix_caching
+        self._last_time = time.monotonic()
+        self._last_prompt_tokens = 0
+        self._last_generation_tokens = 0
+        self._last_queries = 0
+        self._last_hits = 0
+
+    def maybe_log(self, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if elapsed < self.interval:
+            return
+        prompt = stats.num_prompt_tokens_computed - self._last_prompt_tokens
+        generation = stats.num_generation_tokens - self._last_generation_tokens
+        busy = prompt or generation or stats.num_running_reqs or stats.num_waiting_reqs
+        if busy:
+            line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+                    f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
+                    f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+                    f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%")
+            if self.prefix_caching:
+                queries = stats.prefix_cache.queries - self._last_queries
+                hits = stats.prefix_cache.hits - self._last_hits
+                line += f", Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+            logger.info(line)
+        self._last_time = now
+        self._last_prompt_tokens = stats.num_prompt_tokens_computed
+        self._last_generation_tokens = stats.num_generation_tokens
+        self._last_queries = stats.prefix_cache.queries
+        self._last_hits = stats.prefix_cache.hits

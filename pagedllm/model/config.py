@@ -1,0 +1,122 @@
+"""ModelConfig: the shape of a Llama-family model, read from a Hugging Face config.json.
+
+Names are Hugging Face's, so a config and its weights map one to one. GGUF metadata is
+translated into this same form (see gguf_convert.py), so there is one reader.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
+    """Llama 3.1+ GGUFs carry rope scaling as per-frequency divisors instead of parameters."""
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        architectures = config.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"model architecture {architectures or config.get('model_type')!r} is not supported; "
+                f"pagedllm runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        num_heads = config["num_attention_heads"]
+        rope_scaling, rope_theta = _rope_settings(config)
+        return cls(
+            architecture=arch,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=config.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos_ids(config, generation_config or {}),
+            sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+            rope_freq_factors=tuple(config["rope_freq_factors"]) if "rope_freq_factors" in config else None,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        gen_path = folder / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        return cls.from_dict(config, generation)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (for planning without weights)."""
+        h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers * per_layer + embeddings + h
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:
+    """transformers 5 keeps rope settings in `rope_parameters`; older configs in
+    `rope_theta` + `rope_scaling`. Returns (scaling or None, theta)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params or None
+    theta = config.get("rope_theta") or params.get("rope_theta") or 10000.0
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    return scaling, float(theta)
+
+
+def _eos_ids(config: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (config.get("eos_token_id"), generation_config.get("eos_token_id")):
+        for token_id in source if isinstance(source, list) else [source]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)

@@ -1,0 +1,164 @@
+"""GGUF -> Hugging Face folder (config.json, model.safetensors, tokenizer), done once and cached.
+
+Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants...) are dequantized to float32 by the `gguf`
+package, exactly as transformers does when it loads a GGUF, so float32 runs match it token
+for token. llama.cpp stores Llama's Q and K rows permuted for its rotary layout; that is
+undone here. The tokenizer and chat template come from the GGUF metadata through
+transformers' GGUF tokenizer converter, then are saved as plain tokenizer files, so the
+second start reads a folder and needs neither conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CONVERTER_VERSION = "1"
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
+
+
+def converted_folder(gguf_path: str | Path) -> Path:
+    """The cached HF folder for a GGUF file, converting it on first use."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()
+    folder = cache_root() / "gguf" / f"{path.stem}-{key[:12]}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
+    try:
+        convert_gguf(path, staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another process finished first; its copy is as good as ours
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    metadata = _read_metadata(reader)
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; pagedllm reads {sorted(_ARCHITECTURES)}")
+    config = _hf_config(metadata, arch, reader)
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # folded into config.json (rope_freq_factors)
+        name = _hf_name(tensor.name)
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            array = _unpermute_rotary_rows(array, heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(gguf_path, out_dir)
+
+
+def _read_metadata(reader: Any) -> dict[str, Any]:
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in ("tokens", "scores", "token_type", "merges"):
+            continue  # large arrays, read by the tokenizer converter
+        try:
+            metadata[key] = field.contents()
+        except Exception:
+            continue
+    return metadata
+
+
+def _hf_config(md: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]:
+    p = f"{arch}."
+    num_heads = int(md[p + "attention.head_count"])
+    hidden = int(md[p + "embedding_length"])
+    head_dim = int(md.get(p + "rope.dimension_count") or hidden // num_heads)
+    vocab = md.get(p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(md[p + "feed_forward_length"]),
+        "num_hidden_layers": int(md[p + "block_count"]),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(md.get(p + "attention.head_count_kv") or num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(md.get(p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(md.get(p + "context_length", 2048)),
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "attention_bias": arch == "qwen2",
+    }
+    scaling_type = md.get(p + "rope.scaling.type")
+    if scaling_type == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(md[p + "rope.scaling.factor"])}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # Llama 3.1+: per-frequency divisors
+            config["rope_freq_factors"] = [float(x) for x in np.asarray(tensor.data, dtype=np.float32)]
+    return config
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert permutation: per head, rows were interleaved
+    (pairs) for its rotary layout; Hugging Face's rotate-half wants them in two halves."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))

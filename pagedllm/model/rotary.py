@@ -1,0 +1,75 @@
+"""Rotary position embedding, computed as Hugging Face does (rotate-half), so float32 runs
+match transformers bit for bit. cos/sin are tabulated once for every position up to
+max_model_len and indexed by each token's position."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedllm.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies after rope scaling: [head_dim / 2]."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inverse_frequencies(inv_freq, scaling)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear and llama3 are)")
+
+
+def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.max_position = max_position
+        self.register_buffer("cos_cache", torch.empty(max_position, config.head_dim), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_position, config.head_dim), persistent=False)
+        if not self.cos_cache.is_meta:
+            self.compute_cache()
+
+    def compute_cache(self) -> None:
+        """Fill the cos/sin tables (computed in float32, stored in the model dtype, as Hugging
+        Face casts them before use)."""
+        inv_freq = inverse_frequencies(self.config)
+        positions = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        self.cos_cache = emb.cos().to(self.cos_cache.dtype).to(self.cos_cache.device)
+        self.sin_cache = emb.sin().to(self.sin_cache.dtype).to(self.sin_cache.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,44 @@
+"""What the offline API and the engine return, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.request import RequestMetrics
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    """Per generated token: {token_id: Logprob} for the sampled token and the top-k."""
+    finish_reason: str | None = None
+    """stop | length | abort, None while running."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the request, if one did."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (0 without a hit)."""

@@ -1,0 +1,129 @@
+"""Request: one prompt's journey through the engine, as bookkeeping (no tensors).
+
+Token regions of a request at any step:
+
+    |<-------------- num_tokens = len(all_token_ids) ---------------->|
+    | prompt_token_ids                    | output_token_ids          |
+    |<--- num_computed_tokens --->|<- num_scheduled (this step) ->|   |
+
+Everything left of `num_computed_tokens` has its K/V in the cache. Chunked prefill,
+prefix-cache hits and preemption (which resets it to 0) are all moves of that one count.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's words: stop | length | abort; None while unfinished."""
+        return self.value if self.is_finished else None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps on the monotonic clock, as vLLM defines its intervals:
+    queue = queued -> first_scheduled, prefill = first_scheduled -> first_token,
+    decode = first_token -> last_token."""
+
+    arrival_time: float
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return _span(self.queued_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.last_token_time)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return _span(self.arrival_time, self.first_token_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return _span(self.arrival_time, self.finished_time)
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    """Tokens that end the request unless `ignore_eos` (the tokenizer's EOS and the model's
+    generation-config EOS ids, e.g. Llama 3's <|eot_id|>)."""
+    max_tokens: int
+    """Resolved limit: sampling_params.max_tokens, or what max_model_len leaves."""
+    prompt: str | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+    """Caller's name (the OpenAI `user` field), for per-caller cache statistics."""
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache at first scheduling (None until then)."""
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Hashes of the request's full blocks, in order; grown as tokens are appended."""
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

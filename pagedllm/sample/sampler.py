@@ -1,0 +1,149 @@
+"""Sampler: logits of the sampled rows -> one token per request, batched.
+
+Order, as in vLLM: raw logprobs (if asked) -> penalties -> min_tokens masking -> greedy
+rows take the argmax; the others are divided by their temperature, cut by top-k, top-p
+and min-p, and drawn with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
+which equals sampling from p. A request with a seed draws its E from its own generator,
+so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.core.outputs import ScheduledRequest, TokenLogprobs
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._request_generators.pop(req_id, None)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
+        params = [r.sampling_params for r in reqs]
+        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs is not None else None
+
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, reqs)
+        logits = _mask_until_min_tokens(logits, reqs)
+
+        if all(p.is_greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, reqs)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, [None] * len(reqs)
+        return token_list, _gather_logprobs(raw_logprobs, tokens, params, max_logprobs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        params = [r.sampling_params for r in reqs]
+        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
+                                   device=logits.device, dtype=logits.dtype)
+        scaled = logits / temperature[:, None]
+        scaled = _apply_top_k_top_p_min_p(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.sampling_params.seed is not None:
+                noise[i].exponential_(generator=self._generator_for(r))
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+    def _generator_for(self, req: ScheduledRequest) -> torch.Generator:
+        generator = self._request_generators.get(req.req_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(req.sampling_params.seed)
+            self._request_generators[req.req_id] = generator
+        return generator
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    """vLLM's semantics: repetition divides positive / multiplies negative logits of tokens
+    seen in prompt or output; frequency subtracts per output occurrence; presence once."""
+    num_reqs, vocab = logits.shape
+    device = logits.device
+    output_counts = torch.zeros(num_reqs, vocab, device=device)
+    seen = torch.zeros(num_reqs, vocab, dtype=torch.bool, device=device)
+    for i, r in enumerate(reqs):
+        if not r.sampling_params.has_penalties:
+            continue
+        out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+        output_counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=device))
+        seen[i, torch.tensor(r.prompt_token_ids, dtype=torch.long, device=device)] = True
+    seen |= output_counts > 0
+    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)[:, None]
+    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], device=device)[:, None]
+    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
+
+
+def _mask_until_min_tokens(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    rows, cols = [], []
+    for i, r in enumerate(reqs):
+        params = r.sampling_params
+        if len(r.output_token_ids) < params.min_tokens:
+            banned = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                banned |= r.eos_token_ids
+            rows += [i] * len(banned)
+            cols += sorted(banned)
+    if rows:
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
+    return logits
+
+
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+    vocab = logits.shape[1]
+    top_k = [p.top_k or vocab for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= torch.tensor(top_k, device=logits.device)[:, None]
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # keep a token while the mass before it is below top_p (the top token always stays)
+        drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= torch.tensor(top_p, device=logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    if any(p > 0.0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=logits.device)[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list,
+                     max_logprobs: int) -> list[TokenLogprobs | None]:
+    sampled_lp = raw_logprobs.gather(1, tokens[:, None])  # [num_reqs, 1]
+    ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
+    top_lp, top_ids = raw_logprobs.topk(max_logprobs, dim=-1) if max_logprobs else (None, None)
+    results: list[TokenLogprobs | None] = []
+    sampled_list, ranks_list = sampled_lp[:, 0].tolist(), ranks.tolist()
+    token_list = tokens.tolist()
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            results.append(None)
+            continue
+        k = p.logprobs
+        ids = [token_list[i]] + (top_ids[i, :k].tolist() if k else [])
+        lps = [sampled_list[i]] + (top_lp[i, :k].tolist() if k else [])
+        results.append(TokenLogprobs(ids, lps, [ranks_list[i], *range(1, k + 1)]))
+    return results

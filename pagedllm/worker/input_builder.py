@@ -1,0 +1,106 @@
+"""Turn a step's scheduled requests into model inputs: flat token ids, positions, slots,
+attention metadata and the rows to sample from. All index arithmetic is done once per step
+in a handful of tensor ops, never per token in Python.
+
+Flat layout of a step (requests in scheduled order, each contributing its new tokens):
+
+    rows:      0   1   2   3 4 5 6 7   8 9 10
+    request:   A   B   C   D D D D D   E E E      A, B, C decode; D, E prefill chunks
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
+from pagedllm.core.outputs import ScheduledRequest
+
+# Decodes are grouped by context length so one long request does not make every short one
+# pay its padding: a group ends when the next context would be over twice the group's first.
+_MIN_DECODE_GROUP = 8
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
+    sampled: list[ScheduledRequest]  # the requests those rows belong to, same order
+
+
+def build_model_input(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInput:
+    num_reqs = len(scheduled)
+    counts = [s.num_scheduled_tokens for s in scheduled]
+    starts = [s.num_computed_tokens for s in scheduled]
+    seq_lens = [s.seq_len for s in scheduled]
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    table_rows = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in scheduled]
+
+    counts_t = torch.tensor(counts)
+    row_offsets = torch.cumsum(counts_t, 0) - counts_t  # first row of each request
+    req_of_row = torch.repeat_interleave(torch.arange(num_reqs), counts_t)  # [num_tokens]
+    num_tokens = int(counts_t.sum())
+    positions = torch.arange(num_tokens) - row_offsets[req_of_row] + torch.tensor(starts)[req_of_row]
+    block_tables = torch.tensor(table_rows, dtype=torch.long)  # [num_reqs, max_blocks]
+    slot_mapping = block_tables[req_of_row, positions // block_size] * block_size + positions % block_size
+
+    input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long)
+    row_offset_list = row_offsets.tolist()
+    decode_reqs = [i for i in range(num_reqs) if counts[i] == 1]
+    decode_batches = [
+        _decode_batch(group, row_offset_list, seq_lens, block_tables, block_size, device)
+        for group in _group_by_length(decode_reqs, seq_lens)
+    ]
+    prefills = [
+        _prefill_span(i, row_offset_list[i], counts[i], starts[i], block_tables, block_size, device)
+        for i in range(num_reqs) if counts[i] > 1
+    ]
+    sampled_idx = [i for i in range(num_reqs) if scheduled[i].do_sample]
+    logits_indices = torch.tensor([row_offset_list[i] + counts[i] - 1 for i in sampled_idx], dtype=torch.long)
+
+    return ModelInput(
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        attn_metadata=AttentionMetadata(slot_mapping.to(device), decode_batches, prefills),
+        logits_indices=logits_indices.to(device),
+        sampled=[scheduled[i] for i in sampled_idx],
+    )
+
+
+def _group_by_length(req_indices: list[int], seq_lens: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for i in sorted(req_indices, key=seq_lens.__getitem__):
+        if groups and (len(groups[-1]) < _MIN_DECODE_GROUP or seq_lens[i] <= 2 * seq_lens[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_batch(group: list[int], row_offsets: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                  block_size: int, device: torch.device) -> DecodeBatch:
+    group_seq_lens = torch.tensor([seq_lens[i] for i in group])
+    num_blocks = -(-int(group_seq_lens.max()) // block_size)
+    tables = block_tables[torch.tensor(group), :num_blocks]
+    key_positions = torch.arange(num_blocks * block_size)
+    mask = (key_positions[None, :] < group_seq_lens[:, None])[:, None, None, :]
+    return DecodeBatch(
+        token_indices=torch.tensor([row_offsets[i] for i in group], dtype=torch.long).to(device),
+        block_tables=tables.to(device),
+        attend_mask=mask.to(device),
+    )
+
+
+def _prefill_span(req: int, row_offset: int, count: int, start: int, block_tables: torch.Tensor,
+                  block_size: int, device: torch.device) -> PrefillSpan:
+    if start == 0:
+        return PrefillSpan(row_offset, row_offset + count, 0, None, None)
+    seq_len = start + count
+    num_blocks = -(-seq_len // block_size)
+    query_positions = torch.arange(start, seq_len)
+    mask = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # [chunk, seq_len]
+    return PrefillSpan(row_offset, row_offset + count, start,
+                       block_tables[req, :num_blocks].to(device), mask.to(device))

@@ -1,0 +1,97 @@
+"""KV cache sizing and allocation: bytes per token, blocks from a memory budget, the tensors.
+
+    bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+
+The planner (`pagedllm plan`) and the engine both size the cache with `KVCacheSpec`, so the
+figures it prints are exactly what the engine allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.model.config import ModelConfig
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    cache_dtype: str  # float32 | bfloat16 | float16
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, cache_dtype: str) -> KVCacheSpec:
+        if cache_dtype not in _ELEMENT_BYTES:
+            raise ValueError(f"kv_cache_dtype: {cache_dtype!r} is not supported yet; use auto")
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, cache_dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _ELEMENT_BYTES[self.cache_dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+    def blocks_per_sequence(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed [num_blocks, block_size, kv_heads, head_dim] K and V per layer, carved from a
+    single allocation. Zeroed, not empty: padding slots are read (then masked) by batched
+    attention, and masked garbage that happens to be NaN would still poison the sum."""
+    dtype = getattr(torch, spec.cache_dtype)
+    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    storage = torch.zeros(shape, dtype=dtype, device=device)
+    return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """How the KV budget turns into blocks and tokens; what the startup report prints."""
+
+    spec: KVCacheSpec
+    budget_bytes: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.spec.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens that fit at once."""
+        return self.num_tokens / self.max_model_len
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.num_blocks * self.spec.bytes_per_block
+
+
+def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
+                  num_blocks_override: int | None = None) -> KVCachePlan:
+    """Blocks for a budget (or the override), checked against one max_model_len request.
+
+    Raises ValueError saying what to change when not even one request of max_model_len fits.
+    """
+    num_blocks = num_blocks_override or spec.num_blocks_for(budget_bytes)
+    needed = spec.blocks_per_sequence(max_model_len)
+    if num_blocks < needed:
+        have = f"{num_blocks:,} blocks" + ("" if num_blocks_override else f" fit in {budget_bytes / 2**30:.2f} GiB")
+        raise ValueError(
+            f"max_model_len {max_model_len:,} needs {needed:,} KV cache blocks of {spec.block_size} tokens "
+            f"({needed * spec.bytes_per_block / 2**30:.2f} GiB) but only {have}; lower --max-model-len "
+            "or raise --kv-cache-memory-bytes (CUDA: --gpu-memory-utilization)"
+        )
+    return KVCachePlan(spec, budget_bytes, num_blocks, max_model_len)

@@ -1,0 +1,106 @@
+"""Worker: one device's resources: the model weights, the KV cache tensors, the runner.
+
+Start-up order: load the model, find the KV budget (CPU: --kv-cache-memory-bytes, default
+4 GiB; CUDA: --gpu-memory-utilization of the device minus weights and a measured activation
+peak), turn it into blocks, allocate them, build the runner.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from pathlib import Path
+
+import torch
+
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.loader import load_model, resolve_dtype
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, allocate_kv_caches
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_folder = model_folder
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model: LlamaForCausalLM | None = None
+        self.runner: ModelRunner | None = None
+
+    @property
+    def weights_bytes(self) -> int:
+        assert self.model is not None
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def load_model(self, max_position: int) -> None:
+        self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
+
+    def kv_cache_budget_bytes(self) -> int:
+        """Bytes the KV cache may take on this device."""
+        if self.config.kv_cache_memory_bytes is not None:
+            return int(self.config.kv_cache_memory_bytes)
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        return self._cuda_budget_bytes()
+
+    def initialize_cache(self, plan: KVCachePlan) -> None:
+        assert self.model is not None
+        kv_caches = allocate_kv_caches(plan.spec, plan.num_blocks, self.device)
+        self.runner = ModelRunner(self.model, kv_caches, plan.spec.block_size, self.device, self.config.seed)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "initialize_cache() first"
+        return self.runner.execute_model(scheduler_output)
+
+    def _cuda_budget_bytes(self) -> int:
+        """device memory x utilization - (weights + activation peak + memory outside torch)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak_torch = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        budget = int(total * self.config.gpu_memory_utilization) - peak_torch - outside_torch
+        logger.info("Memory profiling: total %.2f GiB, weights %.2f GiB, peak torch %.2f GiB, "
+                    "outside torch %.2f GiB", total / 2**30, self.weights_bytes / 2**30,
+                    peak_torch / 2**30, outside_torch / 2**30)
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache at gpu_memory_utilization {self.config.gpu_memory_utilization}: "
+                "raise it, or lower --max-num-batched-tokens"
+            )
+        return budget
+
+    def _profile_run(self) -> None:
+        """One forward of a full token budget, on a throwaway cache, to measure activations."""
+        num_tokens = self.config.token_budget
+        spec = KVCacheSpec.for_model(self.model_config, self.config.block_size, str(self.dtype).split(".")[-1])
+        num_blocks = spec.blocks_per_sequence(num_tokens)
+        assert self.model is not None
+        runner = ModelRunner(self.model, allocate_kv_caches(spec, num_blocks, self.device),
+                             spec.block_size, self.device, self.config.seed)
+        dummy = ScheduledRequest(
+            req_id="profile", token_ids=[0] * num_tokens, num_computed_tokens=0,
+            block_ids=list(range(num_blocks)), do_sample=True, sampling_params=SamplingParams(temperature=0.0),
+            prompt_token_ids=[0] * num_tokens, output_token_ids=[], eos_token_ids=frozenset(),
+        )
+        runner.execute_model(SchedulerOutput(scheduled=[dummy], num_scheduled_tokens=num_tokens))
+        torch.cuda.synchronize(self.device)
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
