@@ -253,6 +253,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=pool.usage,
             num_free_blocks=pool.num_free_blocks,
+            num_used_slots=sum(r.num_computed_tokens for r in self.running),
             num_cached_blocks=len(pool.cached_block_hash_to_block),
             num_preemptions=self.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,

@@ -118,8 +118,8 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if self.stats_logger is not None:
-            self.stats_logger.maybe_log(self.scheduler.make_stats())
+        if self.stats_logger is not None and self.stats_logger.is_due():
+            self.stats_logger.log(self.scheduler.make_stats())
         return outputs
 
     def get_stats(self) -> SchedulerStats:

@@ -32,6 +32,8 @@ class SchedulerStats:
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
+    num_used_slots: int = 0
+    """Token slots holding K/V of running requests (the rest of their blocks is slack)."""
     num_cached_blocks: int = 0
     num_preemptions: int = 0
     """Total since start."""

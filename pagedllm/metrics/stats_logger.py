@@ -24,11 +24,12 @@ class StatsLogger:
         self._last_queries = 0
         self._last_hits = 0
 
-    def maybe_log(self, stats: SchedulerStats) -> None:
+    def is_due(self) -> bool:
+        return time.monotonic() - self._last_time >= self.interval
+
+    def log(self, stats: SchedulerStats) -> None:
         now = time.monotonic()
         elapsed = now - self._last_time
-        if elapsed < self.interval:
-            return
         prompt = stats.num_prompt_tokens_computed - self._last_prompt_tokens
         generation = stats.num_generation_tokens - self._last_generation_tokens
         busy = prompt or generation or stats.num_running_reqs or stats.num_waiting_reqs

@@ -19,6 +19,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_model, resolve_dtype
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cpu_allocator import keep_freed_memory
 from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, allocate_kv_caches
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -49,6 +50,8 @@ class Worker:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def load_model(self, max_position: int) -> None:
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
 
     def kv_cache_budget_bytes(self) -> int:

@@ -1,0 +1,13 @@
+"""`pagedllm bench ...`: benchmarks that print ratios against a baseline run in the same process."""
+
+from __future__ import annotations
+
+from pagedllm.bench import throughput
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (throughput, prefix caching, serving)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    parser = kinds.add_parser("throughput", help="engine vs Hugging Face static batching, same run")
+    throughput.add_arguments(parser)
+    parser.set_defaults(handler=throughput.main)
