@@ -38,6 +38,9 @@ LPM_MAX_SKIPS = 16
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        capacity = kv_cache_manager.block_pool.num_blocks * kv_cache_manager.block_size
+        # With this, a request alone always fits, so preempting all others always frees enough.
+        assert max_model_len <= capacity, f"max_model_len {max_model_len} exceeds the pool ({capacity} slots)"
         self.config = config
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager

@@ -1,0 +1,174 @@
+"""Scheduler policy with a fake model: continuous batching, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False, max_model_len=None):
+    max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          enable_prefix_caching=caching)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
+
+
+def make_request(req_id: str, num_prompt: int, max_tokens: int = 8, first_token: int = 1) -> Request:
+    prompt = [first_token + (i % 7) for i in range(num_prompt)]
+    return Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=max_tokens),
+                   eos_token_ids=frozenset({EOS}), max_tokens=max_tokens)
+
+
+def fake_run(output: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
+    return ModelRunnerOutput({s.req_id: token for s in output.scheduled if s.do_sample})
+
+
+def step(scheduler: Scheduler, token: int = 5):
+    output = scheduler.schedule()
+    return output, scheduler.update_from_output(output, fake_run(output, token))
+
+
+def test_waiting_requests_are_admitted_in_arrival_order_up_to_the_seats():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add_request(make_request(name, 4))
+    output, _ = step(scheduler)
+    assert [s.req_id for s in output.scheduled] == ["a", "b"]
+    assert list(scheduler.waiting) == ["c"]
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running():
+    scheduler = make_scheduler(budget=16, max_num_seqs=4)
+    scheduler.add_request(make_request("short", 4))
+    step(scheduler)  # short prefilled and sampled its first token
+    scheduler.add_request(make_request("long", 40))
+    chunks = []
+    while scheduler.requests["long"].num_output_tokens == 0:
+        output, _ = step(scheduler)
+        by_id = {s.req_id: s.num_scheduled_tokens for s in output.scheduled}
+        assert by_id["short"] == 1, "the decode must get its token every step"
+        chunks.append(by_id["long"])
+        assert output.num_scheduled_tokens <= 16
+    assert chunks == [15, 15, 10]
+
+
+def test_finished_request_frees_its_blocks_in_the_same_step():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 5, max_tokens=1))
+    _, outputs = step(scheduler)
+    assert outputs[0].finish_reason == "length"
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 64
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_eos_stops_unless_min_tokens_or_ignore_eos():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 3))
+    _, outputs = step(scheduler, token=EOS)
+    assert outputs[0].finish_reason == "stop"
+
+
+def test_pool_exhaustion_preempts_the_newest_running_request():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    scheduler.add_request(make_request("old", 8, max_tokens=20))
+    scheduler.add_request(make_request("new", 8, max_tokens=20))
+    step(scheduler)  # both prefilled: 2 blocks each, 2 free
+    preempted = []
+    for _ in range(12):
+        output, _ = step(scheduler)
+        preempted += output.preempted_req_ids
+        if preempted:
+            break
+    assert preempted == ["new"]
+    new = scheduler.requests["new"]
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert next(iter(scheduler.waiting)) == "new"
+    while scheduler.has_unfinished_requests():  # and everyone still finishes
+        step(scheduler)
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 6
+
+
+def test_abort_frees_blocks_of_waiting_and_running_requests():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("run", 6))
+    scheduler.add_request(make_request("wait", 6))
+    step(scheduler)
+    scheduler.finish_requests(["run", "wait"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 64
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / step / abort. Without prefix caching no block may ever have two owners."""
+
+    @initialize(num_blocks=st.integers(8, 40), block_size=st.sampled_from([2, 4, 8]),
+                max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 24))
+    def setup(self, num_blocks, block_size, max_num_seqs, extra_budget):
+        # every request must fit the pool alone (the engine checks this against max_model_len)
+        self.max_len = num_blocks * block_size
+        self.scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, max_num_seqs + extra_budget,
+                                        caching=False, max_model_len=self.max_len)
+        self.counter = 0
+        self.finished: set[str] = set()
+
+    @rule(num_prompt=st.integers(1, 30), max_tokens=st.integers(1, 12))
+    def add(self, num_prompt, max_tokens):
+        if num_prompt + max_tokens > self.max_len:
+            return
+        self.counter += 1
+        self.scheduler.add_request(make_request(f"r{self.counter}", num_prompt, max_tokens))
+
+    @rule(token=st.integers(0, 9))
+    def step(self, token):
+        running_before = list(self.scheduler.running)
+        output, outputs = step(self.scheduler, token)
+        assert output.num_scheduled_tokens <= self.scheduler.config.token_budget
+        scheduled = {s.req_id for s in output.scheduled}
+        if not output.preempted_req_ids:
+            for request in running_before:
+                assert request.req_id in scheduled, "a running request was skipped without preemption"
+        for item in output.scheduled:
+            assert item.num_scheduled_tokens >= 1
+        self.finished |= {o.req_id for o in outputs if o.finish_reason}
+
+    @precondition(lambda self: self.scheduler.has_unfinished_requests())
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(self.scheduler.requests)
+        self.scheduler.finish_requests([data.draw(st.sampled_from(live))], RequestStatus.FINISHED_ABORTED)
+
+    @invariant()
+    def blocks_have_one_owner(self):
+        manager = self.scheduler.kv_cache_manager
+        manager.block_pool.check_integrity()
+        owners: dict[int, str] = {}
+        for request in self.scheduler.running:
+            for block_id in manager.get_block_ids(request.req_id):
+                assert block_id not in owners, f"block {block_id} owned by {owners[block_id]} and {request.req_id}"
+                owners[block_id] = request.req_id
+        for request in self.scheduler.waiting.values():
+            assert manager.get_block_ids(request.req_id) == [], "a waiting request holds blocks"
+        assert len(owners) + manager.block_pool.num_free_blocks == manager.block_pool.num_blocks
+
+    def teardown(self):
+        for _ in range(2000):  # drain: everything must finish, nothing may deadlock
+            if not self.scheduler.has_unfinished_requests():
+                break
+            step(self.scheduler, 5)
+        assert not self.scheduler.has_unfinished_requests(), "scheduler did not drain"
+        pool = self.scheduler.kv_cache_manager.block_pool
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
