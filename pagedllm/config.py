@@ -23,9 +23,18 @@ HashAlgo = Literal["sha256", "xxhash"]
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3  # what vLLM's CPU backend takes when nothing is said
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 
 
@@ -50,41 +59,69 @@ def _flag(help_text: str, **argparse_kwargs: Any) -> dict[str, Any]:
 class EngineConfig:
     """Engine settings. Fields keep vLLM's names so its users' flags carry over."""
 
-    model: str | None = field(default=None, metadata=_flag(
-        "Hugging Face model folder or GGUF file. Default: the embedded SmolLM2-135M-Instruct."))
-    tokenizer: str | None = field(default=None, metadata=_flag(
-        "Tokenizer folder, when it is not the model's own."))
-    dtype: DType = field(default="auto", metadata=_flag(
-        "Weight and activation dtype. auto: bfloat16 where the device supports it, else float32."))
+    model: str | None = field(
+        default=None,
+        metadata=_flag(
+            "Hugging Face model folder or GGUF file. Default: the embedded SmolLM2-135M-Instruct."
+        ),
+    )
+    tokenizer: str | None = field(
+        default=None, metadata=_flag("Tokenizer folder, when it is not the model's own.")
+    )
+    dtype: DType = field(
+        default="auto",
+        metadata=_flag(
+            "Weight and activation dtype. auto: bfloat16 where the device supports it, else float32."
+        ),
+    )
     device: Device = field(default="auto", metadata=_flag("auto: cuda when available, else cpu."))
-    max_model_len: int | None = field(default=None, metadata=_flag(
-        "Longest prompt + output in tokens. Default: the model's own context length."))
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_flag("Longest prompt + output in tokens. Default: the model's own context length."),
+    )
     block_size: int = field(default=16, metadata=_flag("Tokens per KV cache block."))
     max_num_seqs: int = field(default=256, metadata=_flag("Most requests running in one step."))
-    max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
-        "Token budget of one step (prefill chunks + decodes). Default: max(2048, max_num_seqs)."))
-    kv_cache_memory_bytes: int | str | None = field(default=None, metadata=_flag(
-        "KV cache size on any device: bytes or 4GiB / 512MiB. On CPU the default is 4GiB."))
-    gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
-        "CUDA: fraction of device memory for this instance (weights, activations and KV cache)."))
-    num_gpu_blocks_override: int | None = field(default=None, metadata=_flag(
-        "Force the number of KV cache blocks, whatever the memory budget says."))
-    kv_cache_dtype: KVCacheDType = field(default="auto", metadata=_flag(
-        "KV cache element type. auto: the model dtype."))
-    enable_prefix_caching: bool = field(default=True, metadata=_flag(
-        "Share KV blocks between requests with the same prefix."))
-    prefix_caching_hash_algo: HashAlgo = field(default="sha256", metadata=_flag(
-        "Hash for prefix-cache block keys."))
-    scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata=_flag(
-        "fcfs: arrival order. lpm: prefer waiting requests with the longest cached prefix."))
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Token budget of one step (prefill chunks + decodes). Default: max(2048, max_num_seqs)."
+        ),
+    )
+    kv_cache_memory_bytes: int | str | None = field(
+        default=None,
+        metadata=_flag("KV cache size on any device: bytes or 4GiB / 512MiB. On CPU the default is 4GiB."),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_flag(
+            "CUDA: fraction of device memory for this instance (weights, activations and KV cache)."
+        ),
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=_flag("Force the number of KV cache blocks, whatever the memory budget says.")
+    )
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto", metadata=_flag("KV cache element type. auto: the model dtype.")
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_flag("Share KV blocks between requests with the same prefix.")
+    )
+    prefix_caching_hash_algo: HashAlgo = field(
+        default="sha256", metadata=_flag("Hash for prefix-cache block keys.")
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata=_flag("fcfs: arrival order. lpm: prefer waiting requests with the longest cached prefix."),
+    )
     seed: int = field(default=0, metadata=_flag("Seed for requests that bring none."))
-    chat_template: str | None = field(default=None, metadata=_flag(
-        "Chat template (Jinja text or a file) instead of the tokenizer's."))
+    chat_template: str | None = field(
+        default=None, metadata=_flag("Chat template (Jinja text or a file) instead of the tokenizer's.")
+    )
     max_logprobs: int = field(default=20, metadata=_flag("Most logprobs a request may ask for."))
-    disable_log_stats: bool = field(default=False, metadata=_flag(
-        "Do not log the periodic throughput and cache stats line."))
-    log_stats_interval: float = field(default=10.0, metadata=_flag(
-        "Seconds between stats lines while busy."))
+    disable_log_stats: bool = field(
+        default=False, metadata=_flag("Do not log the periodic throughput and cache stats line.")
+    )
+    log_stats_interval: float = field(default=10.0, metadata=_flag("Seconds between stats lines while busy."))
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, message: str) -> None:
@@ -94,24 +131,39 @@ class EngineConfig:
         for name in ("dtype", "kv_cache_dtype", "device", "scheduling_policy", "prefix_caching_hash_algo"):
             allowed = get_args(_FIELD_TYPES[name])
             need(getattr(self, name) in allowed, name, f"must be one of {', '.join(allowed)}")
-        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
-             f"must be a power of two up to 256, got {self.block_size}")
+        need(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            "block_size",
+            f"must be a power of two up to 256, got {self.block_size}",
+        )
         need(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-             f"must be >= 1, got {self.max_model_len}")
+        need(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            f"must be >= 1, got {self.max_model_len}",
+        )
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", max(2048, self.max_num_seqs))
-        need(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
-             f"{self.max_num_batched_tokens} is below max_num_seqs {self.max_num_seqs}; "
-             "every running request needs a token per step")
+        need(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            f"{self.max_num_batched_tokens} is below max_num_seqs {self.max_num_seqs}; "
+            "every running request needs a token per step",
+        )
         if self.kv_cache_memory_bytes is not None:
             size = parse_memory_size(self.kv_cache_memory_bytes)
             need(size > 0, "kv_cache_memory_bytes", "must be positive")
             object.__setattr__(self, "kv_cache_memory_bytes", size)
-        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-             f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
-             "num_gpu_blocks_override", "must be >= 1")
+        need(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        need(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+            "num_gpu_blocks_override",
+            "must be >= 1",
+        )
         need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
         need(self.log_stats_interval > 0, "log_stats_interval", "must be > 0")
 
@@ -125,11 +177,21 @@ class EngineConfig:
 
 
 _FIELD_TYPES = {
-    "dtype": DType, "kv_cache_dtype": KVCacheDType, "device": Device,
-    "scheduling_policy": SchedulingPolicy, "prefix_caching_hash_algo": HashAlgo,
+    "dtype": DType,
+    "kv_cache_dtype": KVCacheDType,
+    "device": Device,
+    "scheduling_policy": SchedulingPolicy,
+    "prefix_caching_hash_algo": HashAlgo,
 }
-_INT_FIELDS = {"max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-               "num_gpu_blocks_override", "seed", "max_logprobs"}
+_INT_FIELDS = {
+    "max_model_len",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_gpu_blocks_override",
+    "seed",
+    "max_logprobs",
+}
 _FLOAT_FIELDS = {"gpu_memory_utilization", "log_stats_interval"}
 
 
@@ -140,8 +202,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_flag: bool = True)
         if f.name == "model" and not model_flag:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                                  "help": f.metadata.get("help", "") + f" (default: {f.default})"}
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": f.metadata.get("help", "") + f" (default: {f.default})",
+        }
         if f.name in _FIELD_TYPES:
             kwargs["choices"] = get_args(_FIELD_TYPES[f.name])
         elif isinstance(f.default, bool):

@@ -51,21 +51,36 @@ class SamplingParams:
         need(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         need(self.temperature >= 0.0, "temperature", "must be >= 0")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
-             "top_k", "must be >= 1 (or 0 / -1 / None to disable)")
+        need(
+            self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+            "top_k",
+            "must be >= 1 (or 0 / -1 / None to disable)",
+        )
         need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "max_tokens", "must be an integer >= 1")
+        need(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be an integer >= 1",
+        )
         need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             "min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must not exceed max_tokens ({self.max_tokens})",
+        )
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-             "logprobs", "must be an integer >= 0")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids", "must be non-negative token ids")
+        need(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            "logprobs",
+            "must be an integer >= 0",
+        )
+        need(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative token ids",
+        )
         need(all(isinstance(s, str) for s in self.stop or []), "stop", "must be strings")
         need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
 
@@ -75,5 +90,4 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

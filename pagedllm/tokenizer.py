@@ -17,9 +17,14 @@ def load_tokenizer(folder: str | Path, chat_template: str | None = None) -> PreT
     return tokenizer
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
-                **template_kwargs) -> str:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    **template_kwargs,
+) -> str:
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; pass --chat-template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )

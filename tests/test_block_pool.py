@@ -14,8 +14,14 @@ from pagedllm.sampling_params import SamplingParams
 
 
 def make_request(req_id: str, token_ids: list[int], cache_salt: str | None = None) -> Request:
-    return Request(req_id=req_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
-                   eos_token_ids=frozenset(), max_tokens=16, cache_salt=cache_salt)
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=token_ids,
+        sampling_params=SamplingParams(),
+        eos_token_ids=frozenset(),
+        max_tokens=16,
+        cache_salt=cache_salt,
+    )
 
 
 def test_new_blocks_come_from_the_head_in_order():
@@ -80,8 +86,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.live: dict[str, Request] = {}
         self.counter = 0
 
-    @rule(prefix=st.sampled_from([(1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5,)]),
-          tail=st.lists(st.integers(0, 3), max_size=6))
+    @rule(
+        prefix=st.sampled_from([(1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5,)]),
+        tail=st.lists(st.integers(0, 3), max_size=6),
+    )
     def admit(self, prefix, tail):
         self.counter += 1
         request = make_request(f"r{self.counter}", list(prefix) + tail)
@@ -117,9 +125,13 @@ class ManagerMachine(RuleBasedStateMachine):
             for block_id in self.manager.get_block_ids(req_id):
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block in pool.blocks:
-            assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} held by {holders.get(block.block_id)}"
+            assert block.ref_cnt == holders.get(block.block_id, 0), (
+                f"{block} held by {holders.get(block.block_id)}"
+            )
             if holders.get(block.block_id, 0) > 1:
-                assert pool.enable_caching and block.block_hash is not None, "only cached blocks may be shared"
+                assert pool.enable_caching and block.block_hash is not None, (
+                    "only cached blocks may be shared"
+                )
         used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
         assert used + pool.num_free_blocks == pool.num_blocks
 

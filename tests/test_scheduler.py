@@ -18,15 +18,24 @@ EOS = 0
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False, max_model_len=None):
     max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                          enable_prefix_caching=caching)
+    config = EngineConfig(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
 
 
 def make_request(req_id: str, num_prompt: int, max_tokens: int = 8, first_token: int = 1) -> Request:
     prompt = [first_token + (i % 7) for i in range(num_prompt)]
-    return Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=max_tokens),
-                   eos_token_ids=frozenset({EOS}), max_tokens=max_tokens)
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        eos_token_ids=frozenset({EOS}),
+        max_tokens=max_tokens,
+    )
 
 
 def fake_run(output: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
@@ -111,13 +120,23 @@ def test_abort_frees_blocks_of_waiting_and_running_requests():
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / step / abort. Without prefix caching no block may ever have two owners."""
 
-    @initialize(num_blocks=st.integers(8, 40), block_size=st.sampled_from([2, 4, 8]),
-                max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 24))
+    @initialize(
+        num_blocks=st.integers(8, 40),
+        block_size=st.sampled_from([2, 4, 8]),
+        max_num_seqs=st.integers(1, 6),
+        extra_budget=st.integers(0, 24),
+    )
     def setup(self, num_blocks, block_size, max_num_seqs, extra_budget):
         # every request must fit the pool alone (the engine checks this against max_model_len)
         self.max_len = num_blocks * block_size
-        self.scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, max_num_seqs + extra_budget,
-                                        caching=False, max_model_len=self.max_len)
+        self.scheduler = make_scheduler(
+            num_blocks,
+            block_size,
+            max_num_seqs,
+            max_num_seqs + extra_budget,
+            caching=False,
+            max_model_len=self.max_len,
+        )
         self.counter = 0
         self.finished: set[str] = set()
 
@@ -154,7 +173,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         owners: dict[int, str] = {}
         for request in self.scheduler.running:
             for block_id in manager.get_block_ids(request.req_id):
-                assert block_id not in owners, f"block {block_id} owned by {owners[block_id]} and {request.req_id}"
+                assert block_id not in owners, (
+                    f"block {block_id} owned by {owners[block_id]} and {request.req_id}"
+                )
                 owners[block_id] = request.req_id
         for request in self.scheduler.waiting.values():
             assert manager.get_block_ids(request.req_id) == [], "a waiting request holds blocks"

@@ -18,17 +18,28 @@ import torch.nn.functional as F
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] into their slots of the caches."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]."""
     write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
@@ -41,8 +52,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return output
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            batch: DecodeBatch, scale: float) -> torch.Tensor:
+def _decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     flat_blocks = batch.block_tables.flatten()
@@ -50,13 +62,21 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keys = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys.to(query.dtype), values.to(query.dtype),
-                                         attn_mask=batch.attend_mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        grouped, keys.to(query.dtype), values.to(query.dtype), attn_mask=batch.attend_mask, scale=scale
+    )
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+def _prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, chunk, head_dim]
     if span.block_ids is None:
@@ -69,6 +89,7 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         v = v_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, seq_len, head_dim]
         v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.attend_mask, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=span.attend_mask, scale=scale, enable_gqa=True
+        )
     return out.squeeze(0).transpose(0, 1)  # [chunk, num_heads, head_dim]

@@ -35,17 +35,21 @@ class NaiveHF:
     def __init__(self, folder: Path, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, padding_side="left")
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, padding_side="left"
+        )
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype, local_files_only=True
+        ).eval()
 
     @torch.inference_mode()
     def run(self, requests: list[BenchRequest], batch_size: int, max_len: int) -> NaiveResult:
         peak_used = 0
         start = time.perf_counter()
         for i in range(0, len(requests), batch_size):
-            batch = requests[i:i + batch_size]
+            batch = requests[i : i + batch_size]
             self._generate(batch)
             prompt_lens = [len(self.tokenizer(r.prompt).input_ids) for r in batch]
             peak_used = max(peak_used, sum(p + r.max_tokens for p, r in zip(prompt_lens, batch, strict=True)))
@@ -68,5 +72,10 @@ class NaiveHF:
         encoded = self.tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True)
         max_new = max(r.max_tokens for r in batch)
         ignore_eos = all(r.ignore_eos for r in batch)
-        self.model.generate(**encoded, max_new_tokens=max_new, min_new_tokens=max_new if ignore_eos else 0,
-                            do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
+        self.model.generate(
+            **encoded,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new if ignore_eos else 0,
+            do_sample=False,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )

@@ -48,14 +48,24 @@ class EngineResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True, help="JSONL request set (prompt, max_tokens, ignore_eos)")
+    parser.add_argument(
+        "--workload", required=True, help="JSONL request set (prompt, max_tokens, ignore_eos)"
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--naive-batch-size", type=int, default=8)
-    parser.add_argument("--naive-max-len", type=int, default=2048,
-                        help="tokens the static scheme reserves per slot; the engine gets batch x this")
+    parser.add_argument(
+        "--naive-max-len",
+        type=int,
+        default=2048,
+        help="tokens the static scheme reserves per slot; the engine gets batch x this",
+    )
     parser.add_argument("--skip-naive", action="store_true", help="run the engine only")
-    parser.add_argument("--decode-tokens", type=int, default=128,
-                        help="tokens for the single-request decode-speed comparison (0 skips it)")
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=128,
+        help="tokens for the single-request decode-speed comparison (0 skips it)",
+    )
     parser.add_argument("--output-json", default=None, help="write the figures here")
     add_engine_args(parser)
 
@@ -64,8 +74,12 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> EngineResult:
     start = time.monotonic()
     max_tokens = {}
     for i, r in enumerate(requests):
-        req_id = engine.add_request(f"bench-{i}", r.prompt, SamplingParams(
-            temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos), arrival_time=start)
+        req_id = engine.add_request(
+            f"bench-{i}",
+            r.prompt,
+            SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
+            arrival_time=start,
+        )
         max_tokens[req_id] = r.max_tokens
     block_size = engine.config.block_size
     num_blocks = engine.kv_cache_plan.num_blocks
@@ -82,12 +96,21 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> EngineResult:
             peak_allocated, used_at_peak = allocated, stats.num_used_slots
     elapsed = time.monotonic() - start
     quantiles = statistics.quantiles(ttfts, n=20) if len(ttfts) > 1 else [ttfts[0]] * 19
-    return EngineResult(elapsed, generated, statistics.median(ttfts), quantiles[18], peak_allocated, used_at_peak,
-                        engine.get_stats().num_preemptions - preemptions_before)
+    return EngineResult(
+        elapsed,
+        generated,
+        statistics.median(ttfts),
+        quantiles[18],
+        peak_allocated,
+        used_at_peak,
+        engine.get_stats().num_preemptions - preemptions_before,
+    )
 
 
 def engine_decode_speed(engine: LLMEngine, prompt: str, num_tokens: int) -> float:
-    engine.add_request("decode-speed", prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
+    engine.add_request(
+        "decode-speed", prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    )
     last = None
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -103,7 +126,9 @@ def main(args: argparse.Namespace) -> None:
     folder = resolve_model_folder(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    spec = KVCacheSpec.for_model(ModelConfig.from_folder(folder), config.block_size, str(dtype).split(".")[-1])
+    spec = KVCacheSpec.for_model(
+        ModelConfig.from_folder(folder), config.block_size, str(dtype).split(".")[-1]
+    )
     reserved_tokens = args.naive_batch_size * args.naive_max_len
     if config.kv_cache_memory_bytes is None and config.num_gpu_blocks_override is None:
         config = config.replace(kv_cache_memory_bytes=reserved_tokens * spec.bytes_per_token)
@@ -111,7 +136,9 @@ def main(args: argparse.Namespace) -> None:
         config = config.replace(max_model_len=args.naive_max_len)
     engine = LLMEngine(config)
     decode_prompt = requests[0].prompt
-    engine_decode = engine_decode_speed(engine, decode_prompt, args.decode_tokens) if args.decode_tokens else None
+    engine_decode = (
+        engine_decode_speed(engine, decode_prompt, args.decode_tokens) if args.decode_tokens else None
+    )
     engine_result = run_engine(engine, requests)
     naive_result: NaiveResult | None = None
     naive_decode = None
@@ -123,15 +150,27 @@ def main(args: argparse.Namespace) -> None:
     report = _report(args, requests, dtype, spec, engine_result, naive_result, engine_decode, naive_decode)
     print(report["text"])
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({k: v for k, v in report.items() if k != "text"}, indent=2))
+        Path(args.output_json).write_text(
+            json.dumps({k: v for k, v in report.items() if k != "text"}, indent=2)
+        )
 
 
-def _report(args, requests, dtype, spec, engine: EngineResult, naive: NaiveResult | None,
-            engine_decode: float | None, naive_decode: float | None) -> dict:
+def _report(
+    args,
+    requests,
+    dtype,
+    spec,
+    engine: EngineResult,
+    naive: NaiveResult | None,
+    engine_decode: float | None,
+    naive_decode: float | None,
+) -> dict:
     gib = spec.bytes_per_token / 2**30
+    dtype_name = str(dtype).split(".")[-1]
+    num_requested = sum(r.max_tokens for r in requests)
     lines = [
-        f"workload: {args.workload} ({len(requests)} requests, {sum(r.max_tokens for r in requests):,} requested "
-        f"output tokens), dtype {str(dtype).split('.')[-1]}, threads {torch.get_num_threads()}, git {_git_sha()}",
+        f"workload: {args.workload} ({len(requests)} requests, {num_requested:,} requested output tokens), "
+        f"dtype {dtype_name}, threads {torch.get_num_threads()}, git {_git_sha()}",
         "",
         f"{'':<34}{'pagedllm':>14}{'naive HF':>14}{'ratio':>10}",
         _row("output tokens/s", engine.output_throughput, naive.output_throughput if naive else None),
@@ -143,21 +182,34 @@ def _report(args, requests, dtype, spec, engine: EngineResult, naive: NaiveResul
         "",
         f"KV memory, pagedllm: {engine.peak_allocated_slots:,} token slots allocated at the peak "
         f"({engine.peak_allocated_slots * gib:.3f} GiB), {engine.used_slots_at_peak:,} holding K/V: "
-        f"waste {engine.waste_at_peak:.1%} of allocated; TTFT p50 {engine.ttft_p50_s:.2f} s, p95 {engine.ttft_p95_s:.2f} s; "
-        f"{engine.num_preemptions} preemptions",
+        f"waste {engine.waste_at_peak:.1%} of allocated; TTFT p50 {engine.ttft_p50_s:.2f} s, "
+        f"p95 {engine.ttft_p95_s:.2f} s; {engine.num_preemptions} preemptions",
     ]
     if naive:
         lines.append(
-            f"KV memory, naive: {naive.reserved_tokens:,} token slots reserved ({naive.reserved_tokens * gib:.3f} GiB), "
-            f"at most {naive.peak_used_tokens:,} used: {1 - naive.peak_used_tokens / naive.reserved_tokens:.1%} "
-            "of the reservation sits empty at its fullest")
+            f"KV memory, naive: {naive.reserved_tokens:,} token slots reserved "
+            f"({naive.reserved_tokens * gib:.3f} GiB), at most {naive.peak_used_tokens:,} used: "
+            f"{1 - naive.peak_used_tokens / naive.reserved_tokens:.1%} of the reservation "
+            "sits empty at its fullest"
+        )
     return {
         "text": "\n".join(lines),
-        "workload": args.workload, "dtype": str(dtype).split(".")[-1], "git": _git_sha(),
-        "engine": {**asdict(engine), "output_throughput": engine.output_throughput,
-                   "waste_at_peak": engine.waste_at_peak, "decode_tokens_per_s": engine_decode},
-        "naive": None if naive is None else {**asdict(naive), "output_throughput": naive.output_throughput,
-                                             "decode_tokens_per_s": naive_decode},
+        "workload": args.workload,
+        "dtype": str(dtype).split(".")[-1],
+        "git": _git_sha(),
+        "engine": {
+            **asdict(engine),
+            "output_throughput": engine.output_throughput,
+            "waste_at_peak": engine.waste_at_peak,
+            "decode_tokens_per_s": engine_decode,
+        },
+        "naive": None
+        if naive is None
+        else {
+            **asdict(naive),
+            "output_throughput": naive.output_throughput,
+            "decode_tokens_per_s": naive_decode,
+        },
     }
 
 
@@ -169,7 +221,12 @@ def _row(name: str, ours: float, theirs: float | None, ratio: bool = True) -> st
 
 def _git_sha() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

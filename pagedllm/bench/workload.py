@@ -30,14 +30,18 @@ def load_requests(path: str | Path, limit: int | None = None) -> list[BenchReque
     rows = _read_jsonl(path)
     if rows and "turns" in rows[0]:
         raise ValueError(f"{path} holds conversations; use a single-turn workload here")
-    requests = [BenchRequest(r["prompt"], int(r["max_tokens"]), bool(r.get("ignore_eos", True))) for r in rows]
+    requests = [
+        BenchRequest(r["prompt"], int(r["max_tokens"]), bool(r.get("ignore_eos", True))) for r in rows
+    ]
     return requests[:limit] if limit else requests
 
 
 def load_conversations(path: str | Path, limit: int | None = None) -> list[Conversation]:
     rows = _read_jsonl(path)
-    conversations = [Conversation(int(r["conversation_id"]), r.get("system", ""), list(r["turns"]),
-                                  int(r["max_tokens"])) for r in rows]
+    conversations = [
+        Conversation(int(r["conversation_id"]), r.get("system", ""), list(r["turns"]), int(r["max_tokens"]))
+        for r in rows
+    ]
     return conversations[:limit] if limit else conversations
 
 

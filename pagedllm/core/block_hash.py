@@ -36,8 +36,12 @@ def get_hash_function(algo: str) -> HashFunction:
     raise ValueError(f"prefix_caching_hash_algo: unknown {algo!r}; use sha256 or xxhash")
 
 
-def hash_block_tokens(hash_fn: HashFunction, parent_hash: BlockHash | None,
-                      token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
+def hash_block_tokens(
+    hash_fn: HashFunction,
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
+) -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block)."""
     parts = [parent_hash or b"", array("q", token_ids).tobytes()]
     if cache_salt is not None:
@@ -55,5 +59,6 @@ def extend_block_hashes(request: Request, block_size: int, hash_fn: HashFunction
         start = index * block_size
         parent = hashes[-1] if hashes else None
         salt = request.cache_salt if index == 0 else None
-        hashes.append(hash_block_tokens(hash_fn, parent, request.all_token_ids[start:start + block_size],
-                                        salt))
+        hashes.append(
+            hash_block_tokens(hash_fn, parent, request.all_token_ids[start : start + block_size], salt)
+        )

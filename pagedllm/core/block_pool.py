@@ -172,10 +172,12 @@ class BlockPool:
         assert len(free_ids) == len(free) == self.num_free_blocks, "free queue has duplicates"
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"{block} has a negative ref_cnt"
-            assert (block.ref_cnt == 0) == (block.block_id in free_ids), \
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids), (
                 f"{block} free-queue membership disagrees with its ref_cnt"
+            )
             if block.block_hash is not None:
-                assert self.cached_block_hash_to_block.get(block.block_hash) is block, \
+                assert self.cached_block_hash_to_block.get(block.block_hash) is block, (
                     f"{block} carries a hash the map does not give back"
+                )
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash, f"map entry points to {block} with another hash"

@@ -19,8 +19,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 hash_algo: str = "sha256") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str = "sha256"
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -54,8 +55,9 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request`.
 
         Args:

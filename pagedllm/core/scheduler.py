@@ -104,14 +104,16 @@ class Scheduler:
         self._finished_req_ids = []
         return output
 
-    def _schedule_running(self, token_budget: int, scheduled: list[ScheduledRequest],
-                          preempted: list[Request]) -> int:
+    def _schedule_running(
+        self, token_budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
+    ) -> int:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_behind_me = len(self.running) - index - 1
-            num_new = min(request.num_tokens - request.num_computed_tokens,
-                          max(1, token_budget - num_behind_me))
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens, max(1, token_budget - num_behind_me)
+            )
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -195,8 +197,9 @@ class Scheduler:
 
     # ---- after the model ran ---------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Advance each scheduled request, append sampled tokens, finish stopped requests
         (their blocks are freed now, their seats refilled next step)."""
         now = time.monotonic()

@@ -47,22 +47,36 @@ class LLMEngine:
         self.worker = Worker(self.config, folder, self.model_config)
         self.worker.load_model(max_position=max_model_len)
         kv_dtype = self.config.kv_cache_dtype
-        spec = KVCacheSpec.for_model(self.model_config, self.config.block_size,
-                                     str(self.worker.dtype).split(".")[-1] if kv_dtype == "auto" else kv_dtype)
-        self.kv_cache_plan = plan_kv_cache(spec, self.worker.kv_cache_budget_bytes(), max_model_len,
-                                           self.config.num_gpu_blocks_override)
+        spec = KVCacheSpec.for_model(
+            self.model_config,
+            self.config.block_size,
+            str(self.worker.dtype).split(".")[-1] if kv_dtype == "auto" else kv_dtype,
+        )
+        self.kv_cache_plan = plan_kv_cache(
+            spec, self.worker.kv_cache_budget_bytes(), max_model_len, self.config.num_gpu_blocks_override
+        )
         self.worker.initialize_cache(self.kv_cache_plan)
         self._log_startup_report(time.monotonic() - start)
 
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_plan.num_blocks, self.config.block_size,
-                                               self.config.enable_prefix_caching,
-                                               self.config.prefix_caching_hash_algo)
+        self.kv_cache_manager = KVCacheManager(
+            self.kv_cache_plan.num_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            self.config.prefix_caching_hash_algo,
+        )
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats_logger = None if self.config.disable_log_stats else StatsLogger(
-            self.config.log_stats_interval, self.config.enable_prefix_caching)
+        self.stats_logger = (
+            None
+            if self.config.disable_log_stats
+            else StatsLogger(self.config.log_stats_interval, self.config.enable_prefix_caching)
+        )
         self._eos_token_ids = frozenset(
-            [*self.model_config.eos_token_ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])])
+            [
+                *self.model_config.eos_token_ids,
+                *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []),
+            ]
+        )
         self._request_counter = itertools.count()
 
     @property
@@ -72,26 +86,43 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, cache_salt: str | None = None,
-                    user: str | None = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        user: str | None = None,
+    ) -> str:
         """Validate, tokenize and queue one request. Raises ValueError (naming what is wrong)
         before the request touches any engine state."""
         params = params or SamplingParams()
         if params.n != 1:
-            raise ValueError("n: the engine takes one sequence per request; LLM.generate and the server fan out n")
+            raise ValueError(
+                "n: the engine takes one sequence per request; LLM.generate and the server fan out n"
+            )
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(prompt_ids, params)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs: {params.logprobs} is over the limit of {self.config.max_logprobs} "
-                             "(--max-logprobs)")
+            raise ValueError(
+                f"logprobs: {params.logprobs} is over the limit of {self.config.max_logprobs} "
+                "(--max-logprobs)"
+            )
         req_id = request_id if request_id is not None else str(next(self._request_counter))
         if req_id in self.scheduler.requests or self.output_processor.has_request(req_id):
             raise ValueError(f"request_id: {req_id!r} is already in use")
         request = Request(
-            req_id=req_id, prompt_token_ids=prompt_ids, sampling_params=params,
-            eos_token_ids=self._eos_token_ids, max_tokens=max_tokens, prompt=prompt_text,
-            cache_salt=cache_salt, user=user, arrival_time=arrival_time or time.monotonic(),
+            req_id=req_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_ids=self._eos_token_ids,
+            max_tokens=max_tokens,
+            prompt=prompt_text,
+            cache_salt=cache_salt,
+            user=user,
+            arrival_time=arrival_time or time.monotonic(),
         )
         self.output_processor.add_request(request)
         self.scheduler.add_request(request)
@@ -178,24 +209,40 @@ class LLMEngine:
     def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
         model_max = model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len: {config.max_model_len:,} is over the model's context of "
-                             f"{model_max:,} tokens")
+            raise ValueError(
+                f"max_model_len: {config.max_model_len:,} is over the model's context of {model_max:,} tokens"
+            )
         max_model_len = config.max_model_len or model_max
         window = model_config.sliding_window
         if window is not None and max_model_len > window:
-            logger.warning("This model uses sliding-window attention (%d); max_model_len is capped to it.", window)
+            logger.warning(
+                "This model uses sliding-window attention (%d); max_model_len is capped to it.", window
+            )
             max_model_len = window
         return max_model_len
 
     def _log_startup_report(self, load_seconds: float) -> None:
         plan: KVCachePlan = self.kv_cache_plan
         device = self.worker.device.type
-        logger.info("Model %s loaded in %.1f s: weights take %.2f GiB (%s) on %s",
-                    self.model_name, load_seconds, self.worker.weights_bytes / 2**30,
-                    str(self.worker.dtype).split(".")[-1], device)
+        logger.info(
+            "Model %s loaded in %.1f s: weights take %.2f GiB (%s) on %s",
+            self.model_name,
+            load_seconds,
+            self.worker.weights_bytes / 2**30,
+            str(self.worker.dtype).split(".")[-1],
+            device,
+        )
         logger.info("Available KV cache memory: %.2f GiB", plan.budget_bytes / 2**30)
-        logger.info("KV cache: %s blocks of %d tokens, %s bytes per token (%s)", f"{plan.num_blocks:,}",
-                    plan.spec.block_size, f"{plan.spec.bytes_per_token:,}", plan.spec.cache_dtype)
+        logger.info(
+            "KV cache: %s blocks of %d tokens, %s bytes per token (%s)",
+            f"{plan.num_blocks:,}",
+            plan.spec.block_size,
+            f"{plan.spec.bytes_per_token:,}",
+            plan.spec.cache_dtype,
+        )
         logger.info("%sKV cache size: %s tokens", "GPU " if device == "cuda" else "", f"{plan.num_tokens:,}")
-        logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{plan.max_model_len:,}",
-                    plan.max_concurrency)
+        logger.info(
+            "Maximum concurrency for %s tokens per request: %.2fx",
+            f"{plan.max_model_len:,}",
+            plan.max_concurrency,
+        )

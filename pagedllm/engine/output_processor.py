@@ -34,7 +34,9 @@ class OutputProcessor:
         wants_logprobs = request.sampling_params.logprobs is not None
         self._states[request.req_id] = _RequestState(
             request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params
+            ),
             logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
         )
@@ -77,10 +79,12 @@ class OutputProcessor:
         assert state.logprobs is not None and state.cumulative_logprob is not None
         for entry in entries:
             state.cumulative_logprob += entry.logprobs[0]
-            state.logprobs.append({
-                token_id: Logprob(lp, rank, self.tokenizer.decode([token_id]))
-                for token_id, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)
-            })
+            state.logprobs.append(
+                {
+                    token_id: Logprob(lp, rank, self.tokenizer.decode([token_id]))
+                    for token_id, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)
+                }
+            )
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         request = state.request

@@ -35,28 +35,38 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(prompts, sampling_params)
         return self._run(prompts, params, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = render_chat(tokenizer, conversation, add_generation_prompt, **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+            prompts.append(
+                {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+            )
         return self._run(prompts, self._params_per_prompt(prompts, sampling_params), use_tqdm)
 
     def reset_prefix_cache(self) -> int:
@@ -72,15 +82,20 @@ class LLM:
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         return list(sampling_params)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         # One engine request per sequence; n > 1 fans out with seeds seed, seed+1, ...
         owners: dict[str, tuple[int, int]] = {}
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 for j in range(p.n):
-                    child = p if p.n == 1 else dataclasses.replace(
-                        p, n=1, seed=None if p.seed is None else p.seed + j)
+                    child = (
+                        p
+                        if p.n == 1
+                        else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    )
                     req_id = engine.add_request(f"{next(self._ids)}", prompt, child)
                     owners[req_id] = (index, j)
         except ValueError:
@@ -97,8 +112,9 @@ class LLM:
         return _merge_by_prompt(finished, owners, len(prompts))
 
 
-def _merge_by_prompt(finished: dict[str, RequestOutput], owners: dict[str, tuple[int, int]],
-                     num_prompts: int) -> list[RequestOutput]:
+def _merge_by_prompt(
+    finished: dict[str, RequestOutput], owners: dict[str, tuple[int, int]], num_prompts: int
+) -> list[RequestOutput]:
     merged: list[RequestOutput | None] = [None] * num_prompts
     for req_id, (index, j) in sorted(owners.items(), key=lambda item: item[1]):
         output = finished[req_id]

@@ -1,7 +1,7 @@
 """The periodic stats line, logged every `interval` seconds while the engine is busy:
 
-    Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 190.2 tokens/s,
-    Running: 32 reqs, Waiting: 5 reqs, KV cache usage: 41.3%, Prefix cache hit rate: 88.1%
+Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 190.2 tokens/s,
+Running: 32 reqs, Waiting: 5 reqs, KV cache usage: 41.3%, Prefix cache hit rate: 88.1%
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ class StatsLogger:
         generation = stats.num_generation_tokens - self._last_generation_tokens
         busy = prompt or generation or stats.num_running_reqs or stats.num_waiting_reqs
         if busy:
-            line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
-                    f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
-                    f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
-                    f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%")
+            line = (
+                f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+                f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%"
+            )
             if self.prefix_caching:
                 queries = stats.prefix_cache.queries - self._last_queries
                 hits = stats.prefix_cache.hits - self._last_hits

@@ -42,7 +42,9 @@ class ModelConfig:
     """Llama 3.1+ GGUFs carry rope scaling as per-frequency divisors instead of parameters."""
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
         architectures = config.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -76,7 +76,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     metadata = _read_metadata(reader)
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; pagedllm reads {sorted(_ARCHITECTURES)}")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; pagedllm reads {sorted(_ARCHITECTURES)}"
+        )
     config = _hf_config(metadata, arch, reader)
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -98,7 +100,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 def _read_metadata(reader: Any) -> dict[str, Any]:
     metadata = {}
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in ("tokens", "scores", "token_type", "merges"):
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in (
+            "tokens",
+            "scores",
+            "token_type",
+            "merges",
+        ):
             continue  # large arrays, read by the tokenizer converter
         try:
             metadata[key] = field.contents()

@@ -17,9 +17,13 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import paged_attention
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.rotary import RotaryEmbedding
+from pagedllm.model.linear import Linear
+from pagedllm.model.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+CosSin = tuple[
+    torch.Tensor, torch.Tensor
+]  # rotary tables of this step's positions, [num_tokens, 1, head_dim]
 
 
 class RMSNorm(nn.Module):
@@ -34,31 +38,33 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = residual + x
         residual = x
+        if x.dtype == torch.float32:  # one fused kernel, bit-identical to the steps below in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype), residual
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = rotary
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: CosSin, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -67,8 +73,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -76,16 +82,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden, residual, kv_cache: KVCache, metadata: AttentionMetadata):
+    def forward(self, rope: CosSin, hidden, residual, kv_cache: KVCache, metadata: AttentionMetadata):
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -96,23 +102,29 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns hidden states [num_tokens, hidden_size],
         before the final norm (applied in compute_logits to the sampled rows only)."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -165,8 +177,15 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         names.add("lm_head.weight")
-    projections = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    projections = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         names.update(prefix + p + ".weight" for p in projections)

@@ -73,8 +73,9 @@ def _cpu_has_fast_bf16() -> bool:
     return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
 
 
-def load_model(folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_position: int) -> LlamaForCausalLM:
+def load_model(
+    folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
+) -> LlamaForCausalLM:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")

@@ -63,11 +63,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos_cache = emb.cos().to(self.cos_cache.dtype).to(self.cos_cache.device)
         self.sin_cache = emb.sin().to(self.sin_cache.dtype).to(self.sin_cache.device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, [num_tokens, 1, head_dim]; looked up once per step."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

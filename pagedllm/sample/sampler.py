@@ -24,7 +24,9 @@ class Sampler:
         for req_id in req_ids:
             self._request_generators.pop(req_id, None)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
         params = [r.sampling_params for r in reqs]
         max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
@@ -34,10 +36,8 @@ class Sampler:
             logits = apply_penalties(logits, reqs)
         logits = _mask_until_min_tokens(logits, reqs)
 
-        if all(p.is_greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, reqs)
+        greedy = all(p.is_greedy for p in params)
+        tokens = logits.argmax(dim=-1) if greedy else self._sample(logits, reqs)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, [None] * len(reqs)
@@ -46,8 +46,11 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
         is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
-                                   device=logits.device, dtype=logits.dtype)
+        temperature = torch.tensor(
+            [p.temperature if not p.is_greedy else 1.0 for p in params],
+            device=logits.device,
+            dtype=logits.dtype,
+        )
         scaled = logits / temperature[:, None]
         scaled = _apply_top_k_top_p_min_p(scaled, params)
         probs = torch.softmax(scaled, dim=-1)
@@ -56,7 +59,8 @@ class Sampler:
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator)
+                generator=self.generator
+            )
         for i, r in enumerate(reqs):
             if r.sampling_params.seed is not None:
                 noise[i].exponential_(generator=self._generator_for(r))
@@ -120,18 +124,23 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list) -> torch.Tensor
         drop = ranks >= torch.tensor(top_k, device=logits.device)[:, None]
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # keep a token while the mass before it is below top_p (the top token always stays)
-        drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= torch.tensor(top_p, device=logits.device)[:, None]
+        drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= torch.tensor(top_p, device=logits.device)[
+            :, None
+        ]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
     if any(p > 0.0 for p in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=logits.device)[:, None]
+        threshold = (
+            probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=logits.device)[:, None]
+        )
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list,
-                     max_logprobs: int) -> list[TokenLogprobs | None]:
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list, max_logprobs: int
+) -> list[TokenLogprobs | None]:
     sampled_lp = raw_logprobs.gather(1, tokens[:, None])  # [num_reqs, 1]
     ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
     top_lp, top_ids = raw_logprobs.topk(max_logprobs, dim=-1) if max_logprobs else (None, None)

@@ -27,7 +27,10 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES) == 1
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES) == 1
+        )
     except (OSError, AttributeError):
         return False
     if not ok:

@@ -37,7 +37,9 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, device
     starts = [s.num_computed_tokens for s in scheduled]
     seq_lens = [s.seq_len for s in scheduled]
     max_blocks = max(-(-n // block_size) for n in seq_lens)
-    table_rows = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in scheduled]
+    table_rows = [
+        s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in scheduled
+    ]
 
     counts_t = torch.tensor(counts)
     row_offsets = torch.cumsum(counts_t, 0) - counts_t  # first row of each request
@@ -56,7 +58,8 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, device
     ]
     prefills = [
         _prefill_span(i, row_offset_list[i], counts[i], starts[i], block_tables, block_size, device)
-        for i in range(num_reqs) if counts[i] > 1
+        for i in range(num_reqs)
+        if counts[i] > 1
     ]
     sampled_idx = [i for i in range(num_reqs) if scheduled[i].do_sample]
     logits_indices = torch.tensor([row_offset_list[i] + counts[i] - 1 for i in sampled_idx], dtype=torch.long)
@@ -80,8 +83,14 @@ def _group_by_length(req_indices: list[int], seq_lens: list[int]) -> list[list[i
     return groups
 
 
-def _decode_batch(group: list[int], row_offsets: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-                  block_size: int, device: torch.device) -> DecodeBatch:
+def _decode_batch(
+    group: list[int],
+    row_offsets: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> DecodeBatch:
     group_seq_lens = torch.tensor([seq_lens[i] for i in group])
     num_blocks = -(-int(group_seq_lens.max()) // block_size)
     tables = block_tables[torch.tensor(group), :num_blocks]
@@ -94,13 +103,21 @@ def _decode_batch(group: list[int], row_offsets: list[int], seq_lens: list[int],
     )
 
 
-def _prefill_span(req: int, row_offset: int, count: int, start: int, block_tables: torch.Tensor,
-                  block_size: int, device: torch.device) -> PrefillSpan:
+def _prefill_span(
+    req: int,
+    row_offset: int,
+    count: int,
+    start: int,
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> PrefillSpan:
     if start == 0:
         return PrefillSpan(row_offset, row_offset + count, 0, None, None)
     seq_len = start + count
     num_blocks = -(-seq_len // block_size)
     query_positions = torch.arange(start, seq_len)
     mask = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # [chunk, seq_len]
-    return PrefillSpan(row_offset, row_offset + count, start,
-                       block_tables[req, :num_blocks].to(device), mask.to(device))
+    return PrefillSpan(
+        row_offset, row_offset + count, start, block_tables[req, :num_blocks].to(device), mask.to(device)
+    )

