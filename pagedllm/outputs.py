@@ -42,3 +42,5 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (0 without a hit)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt token (None for the first)."""

@@ -102,6 +102,8 @@ class Request:
     num_cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache at first scheduling (None until then)."""
     num_preemptions: int = 0
+    num_prompt_logprobs: int = 0
+    """Prompt positions already scored and reported (prompt_logprobs requests)."""
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of the request's full blocks, in order; grown as tokens are appended."""

@@ -13,6 +13,9 @@ class SamplingParams:
     `stop` strings are cut from the output unless `include_stop_str_in_output`.
     `logprobs=k` returns the k most likely tokens per step (plus the sampled one), from the
     model's raw distribution, before penalties and temperature, as vLLM does by default.
+    `prompt_logprobs=k` does the same for every prompt token after the first (teacher-forced
+    scoring, e.g. perplexity); such a request never takes prefix-cache hits, since every
+    prompt position must go through the model.
     """
 
     n: int = 1
@@ -32,6 +35,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +78,12 @@ class SamplingParams:
         need(
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             "logprobs",
+            "must be an integer >= 0",
+        )
+        need(
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+            "prompt_logprobs",
             "must be an integer >= 0",
         )
         need(

@@ -92,3 +92,20 @@ def test_prefill_logits_match_transformers(llm, reference, cases):
     ref = torch.log_softmax(reference.logits(ids)[-1], dim=-1)
     for token_id, logprob in output.outputs[0].logprobs[0].items():
         assert abs(logprob.logprob - float(ref[token_id])) < 1e-4, label
+
+
+def test_prompt_logprobs_match_transformers_through_chunked_prefill(reference, cases):
+    """Teacher-forced scoring through the paged path (what perplexity uses), chunk by chunk."""
+    import torch
+
+    _, ids, *_ = cases[3]
+    chunked = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=40, max_num_seqs=4)
+    output = chunked.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
+    )[0]
+    ref = torch.log_softmax(reference.logits(ids), dim=-1)
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(ids)
+    for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+        token = ids[position]
+        assert abs(entry[token].logprob - float(ref[position - 1, token])) < 1e-4, position
+        assert len(entry) <= 2

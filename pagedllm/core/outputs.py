@@ -62,6 +62,8 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """For requests that asked: one entry per prompt token this step scored."""
 
 
 @dataclass
@@ -71,5 +73,6 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None

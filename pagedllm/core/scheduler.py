@@ -142,18 +142,22 @@ class Scheduler:
         head = next(iter(self.waiting.values()))
         if self.config.scheduling_policy == "fcfs" or self._head_skips >= LPM_MAX_SKIPS:
             self._head_skips = 0
-            blocks, num_hit = self.kv_cache_manager.get_computed_blocks(head)
-            return head, blocks, num_hit
+            return (head, *self._cached_prefix(head))
         best = None
         for count, request in enumerate(self.waiting.values()):
             if count == LPM_WINDOW:
                 break
-            blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            blocks, num_hit = self._cached_prefix(request)
             if best is None or num_hit > best[2]:
                 best = (request, blocks, num_hit)
         assert best is not None
         self._head_skips = 0 if best[0] is head else self._head_skips + 1
         return best
+
+    def _cached_prefix(self, request: Request):
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # every prompt position must be scored by the model
+        return self.kv_cache_manager.get_computed_blocks(request)
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         resumed = request.status == RequestStatus.PREEMPTED
@@ -210,8 +214,13 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens += scheduled.num_scheduled_tokens
+            prompt_logprobs = self._new_prompt_logprobs(request, scheduled, runner_output)
             token_id = runner_output.sampled_token_ids.get(scheduled.req_id)
             if token_id is None:
+                if prompt_logprobs:
+                    outputs.append(
+                        EngineCoreOutput(scheduled.req_id, [], new_prompt_logprobs=prompt_logprobs)
+                    )
                 continue
             request.append_output_token_id(token_id)
             self.num_generation_tokens += 1
@@ -219,7 +228,9 @@ class Scheduler:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             logprobs = runner_output.logprobs.get(scheduled.req_id)
-            output = EngineCoreOutput(scheduled.req_id, [token_id], [logprobs] if logprobs else [])
+            output = EngineCoreOutput(
+                scheduled.req_id, [token_id], [logprobs] if logprobs else [], prompt_logprobs
+            )
             status = self._check_stop(request, token_id)
             if status is not None:
                 request.status = status
@@ -231,6 +242,17 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, scheduled, runner_output: ModelRunnerOutput) -> list:
+        """Prompt logprobs not reported before (a preempted request scores its prompt again)."""
+        entries = runner_output.prompt_logprobs.get(scheduled.req_id)
+        if not entries:
+            return []
+        skip = max(0, request.num_prompt_logprobs - scheduled.num_computed_tokens)
+        new = entries[skip:]
+        request.num_prompt_logprobs += len(new)
+        return new
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -20,6 +20,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -39,6 +40,7 @@ class OutputProcessor:
             ),
             logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
+            prompt_logprobs=None if request.sampling_params.prompt_logprobs is None else [None],
         )
 
     def has_request(self, req_id: str) -> bool:
@@ -60,6 +62,8 @@ class OutputProcessor:
                 core.finish_reason, core.stop_reason = "stop", stop
             if state.logprobs is not None:
                 self._append_logprobs(state, core.new_logprobs)
+            if state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(self._to_dicts(core.new_prompt_logprobs))
             state.finish_reason, state.stop_reason = core.finish_reason, core.stop_reason
             outputs.append(self._make_output(state))
             if core.finish_reason is not None:
@@ -79,12 +83,16 @@ class OutputProcessor:
         assert state.logprobs is not None and state.cumulative_logprob is not None
         for entry in entries:
             state.cumulative_logprob += entry.logprobs[0]
-            state.logprobs.append(
-                {
-                    token_id: Logprob(lp, rank, self.tokenizer.decode([token_id]))
-                    for token_id, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)
-                }
-            )
+        state.logprobs.extend(self._to_dicts(entries))
+
+    def _to_dicts(self, entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        return [
+            {
+                token_id: Logprob(lp, rank, self.tokenizer.decode([token_id]))
+                for token_id, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)
+            }
+            for entry in entries
+        ]
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         request = state.request
@@ -106,4 +114,5 @@ class OutputProcessor:
             finished=finished,
             metrics=request.metrics,
             num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=state.prompt_logprobs,
         )

@@ -29,8 +29,8 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
         params = [r.sampling_params for r in reqs]
-        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs is not None else None
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
 
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, reqs)
@@ -41,7 +41,7 @@ class Sampler:
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, [None] * len(reqs)
-        return token_list, _gather_logprobs(raw_logprobs, tokens, params, max_logprobs)
+        return token_list, gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
@@ -138,21 +138,22 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list) -> torch.Tensor
     return logits
 
 
-def _gather_logprobs(
-    raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list, max_logprobs: int
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
 ) -> list[TokenLogprobs | None]:
-    sampled_lp = raw_logprobs.gather(1, tokens[:, None])  # [num_reqs, 1]
-    ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
-    top_lp, top_ids = raw_logprobs.topk(max_logprobs, dim=-1) if max_logprobs else (None, None)
+    """Per row: the given token's logprob and rank, then the row's top-k (k from num_top;
+    None skips the row). raw_logprobs: [num_rows, vocab], token_ids: [num_rows]."""
+    chosen = raw_logprobs.gather(1, token_ids[:, None])  # [num_rows, 1]
+    ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+    max_k = max((k for k in num_top if k), default=0)
+    top_lp, top_ids = raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    chosen_list, token_list = chosen[:, 0].tolist(), token_ids.tolist()
     results: list[TokenLogprobs | None] = []
-    sampled_list, ranks_list = sampled_lp[:, 0].tolist(), ranks.tolist()
-    token_list = tokens.tolist()
-    for i, p in enumerate(params):
-        if p.logprobs is None:
+    for i, k in enumerate(num_top):
+        if k is None:
             results.append(None)
             continue
-        k = p.logprobs
         ids = [token_list[i]] + (top_ids[i, :k].tolist() if k else [])
-        lps = [sampled_list[i]] + (top_lp[i, :k].tolist() if k else [])
-        results.append(TokenLogprobs(ids, lps, [ranks_list[i], *range(1, k + 1)]))
+        lps = [chosen_list[i]] + (top_lp[i, :k].tolist() if k else [])
+        results.append(TokenLogprobs(ids, lps, [ranks[i], *range(1, k + 1)]))
     return results

@@ -29,6 +29,9 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
     sampled: list[ScheduledRequest]  # the requests those rows belong to, same order
+    prompt_scoring: list[tuple[ScheduledRequest, int, int]]
+    """(request, first row, number of rows) whose next token is a prompt token, for
+    requests asking for prompt_logprobs."""
 
 
 def build_model_input(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInput:
@@ -70,6 +73,12 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, device
         attn_metadata=AttentionMetadata(slot_mapping.to(device), decode_batches, prefills),
         logits_indices=logits_indices.to(device),
         sampled=[scheduled[i] for i in sampled_idx],
+        prompt_scoring=[
+            (s, row_offset_list[i], min(s.seq_len, len(s.prompt_token_ids) - 1) - s.num_computed_tokens)
+            for i, s in enumerate(scheduled)
+            if s.sampling_params.prompt_logprobs is not None
+            and s.num_computed_tokens < len(s.prompt_token_ids) - 1
+        ],
     )
 
 
