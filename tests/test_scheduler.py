@@ -16,13 +16,16 @@ from pagedllm.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False, max_model_len=None):
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False, max_model_len=None, policy="fcfs"
+):
     max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
     config = EngineConfig(
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         enable_prefix_caching=caching,
+        scheduling_policy=policy,
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
 
