@@ -170,7 +170,7 @@ def _report(
     num_requested = sum(r.max_tokens for r in requests)
     lines = [
         f"workload: {args.workload} ({len(requests)} requests, {num_requested:,} requested output tokens), "
-        f"dtype {dtype_name}, threads {torch.get_num_threads()}, git {_git_sha()}",
+        f"dtype {dtype_name}, threads {torch.get_num_threads()}, git {git_sha()}",
         "",
         f"{'':<34}{'pagedllm':>14}{'naive HF':>14}{'ratio':>10}",
         _row("output tokens/s", engine.output_throughput, naive.output_throughput if naive else None),
@@ -196,7 +196,7 @@ def _report(
         "text": "\n".join(lines),
         "workload": args.workload,
         "dtype": str(dtype).split(".")[-1],
-        "git": _git_sha(),
+        "git": git_sha(),
         "engine": {
             **asdict(engine),
             "output_throughput": engine.output_throughput,
@@ -219,7 +219,7 @@ def _row(name: str, ours: float, theirs: float | None, ratio: bool = True) -> st
     return f"{name:<34}{ours:>14.1f}{their_text}{ratio_text}"
 
 
-def _git_sha() -> str:
+def git_sha() -> str:
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -26,6 +26,11 @@ class Conversation:
     max_tokens: int
 
 
+def is_conversation_workload(path: str | Path) -> bool:
+    rows = _read_jsonl(path)
+    return bool(rows) and "turns" in rows[0]
+
+
 def load_requests(path: str | Path, limit: int | None = None) -> list[BenchRequest]:
     rows = _read_jsonl(path)
     if rows and "turns" in rows[0]:

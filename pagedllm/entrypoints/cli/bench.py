@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.bench import throughput
+from pagedllm.bench import prefix, throughput
 
 
 def register(subparsers) -> None:
@@ -11,3 +11,6 @@ def register(subparsers) -> None:
     parser = kinds.add_parser("throughput", help="engine vs Hugging Face static batching, same run")
     throughput.add_arguments(parser)
     parser.set_defaults(handler=throughput.main)
+    parser = kinds.add_parser("prefix", help="prefix caching on vs off on the same traffic, same run")
+    prefix.add_arguments(parser)
+    parser.set_defaults(handler=prefix.main)
