@@ -300,3 +300,18 @@ class CachingSchedulerMachine(RuleBasedStateMachine):
 
 TestCachingSchedulerMachine = CachingSchedulerMachine.TestCase
 TestCachingSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_hit_rate_by_caller_and_prompt_length(fresh):
+    engine = fresh.llm_engine
+    prefix = token_prompt(11, 10 * BLOCK)
+    for i, user in enumerate(["alice", "bob", "alice"]):
+        engine.add_request(
+            f"u{i}", {"prompt_token_ids": prefix + token_prompt(1100 + i, 4)}, GREEDY, user=user
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+    stats = engine.get_stats().prefix_cache
+    assert stats.by_user["alice"].requests >= 2 and stats.by_user["alice"].hits >= 10 * BLOCK
+    assert stats.by_user["bob"].hits == 10 * BLOCK and stats.by_user["bob"].queries == 10 * BLOCK + 4
+    assert stats.by_prompt_length["128-511"].hits >= 20 * BLOCK

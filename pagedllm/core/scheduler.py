@@ -170,9 +170,7 @@ class Scheduler:
         request.num_cached_tokens = num_hit_tokens
         request.metrics.first_scheduled_time = time.monotonic()
         if self.kv_cache_manager.enable_caching:
-            self.prefix_cache_stats.requests += 1
-            self.prefix_cache_stats.queries += request.num_prompt_tokens
-            self.prefix_cache_stats.hits += num_hit_tokens
+            self.prefix_cache_stats.record(request.user, request.num_prompt_tokens, num_hit_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

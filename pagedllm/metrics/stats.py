@@ -4,24 +4,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Prompt-length buckets for the hit rate: where do hits happen (and where don't they)?
+PROMPT_LENGTH_BUCKETS = (128, 512, 2048, 8192)
+
+
+def prompt_length_bucket(num_tokens: int) -> str:
+    low = 0
+    for high in PROMPT_LENGTH_BUCKETS:
+        if num_tokens < high:
+            return f"{low}-{high - 1}"
+        low = high
+    return f"{low}+"
+
 
 @dataclass
-class PrefixCacheStats:
-    """Prefix-cache accounting, in tokens, counted once per request at first admission.
+class HitCounts:
+    """Requests, prompt tokens looked up (queries) and found (hits)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def add(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.requests += 1
+        self.queries += num_prompt_tokens
+        self.hits += num_hit_tokens
+
+
+@dataclass
+class PrefixCacheStats(HitCounts):
+    """Prefix-cache accounting, in tokens, counted once per request at first admission,
+    overall, by caller (the request's `user`) and by prompt-length bucket.
 
     `hits / queries` is the hit rate users read. A preempted request that finds its own
     blocks again on resume is not a hit: those tokens go to `preempted_recompute_saved`,
     so the hit rate is never inflated by memory pressure.
     """
 
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
     preempted_recompute_saved: int = 0
+    by_user: dict[str, HitCounts] = field(default_factory=dict)
+    by_prompt_length: dict[str, HitCounts] = field(default_factory=dict)
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
+    def record(self, user: str | None, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.add(num_prompt_tokens, num_hit_tokens)
+        self.by_user.setdefault(user or "", HitCounts()).add(num_prompt_tokens, num_hit_tokens)
+        bucket = prompt_length_bucket(num_prompt_tokens)
+        self.by_prompt_length.setdefault(bucket, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
 
 
 @dataclass
