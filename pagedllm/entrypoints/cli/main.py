@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedllm.entrypoints.cli import bench, generate
+from pagedllm.entrypoints.cli import bench, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference around a paged KV cache")
     subparsers = parser.add_subparsers(dest="command", required=True)
     generate.register(subparsers)
+    serve.register(subparsers)
     bench.register(subparsers)
     return parser
 

@@ -1,0 +1,288 @@
+"""AsyncLLM: the server's engine loop, LLMEngine driven by one background thread.
+
+    event loop (HTTP handlers)                        engine thread
+    generate() ---- add command (SimpleQueue) ---->   engine.add_request: validate, tokenize, queue
+               <--- result or ValueError ----------
+    RequestStream <-- one call_soon_threadsafe ----   engine.step() -> outputs of every request
+                      per step
+    stream.close() -- abort command -------------->   engine.abort_request: blocks freed at once
+
+Only the engine thread touches LLMEngine and its tokenizer (neither is thread-safe); a chat
+prompt is rendered there too, from a builder the handler passes. Outputs are cumulative, so a
+stream keeps only the latest output per choice: a slow client skips steps instead of queueing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from transformers import PreTrainedTokenizerBase
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PromptBuilder = Callable[[PreTrainedTokenizerBase], PromptType]
+"""Makes a prompt on the engine thread, where the tokenizer may be used (chat templates)."""
+StepCallback = Callable[[SchedulerStats, list[RequestOutput]], None]
+"""Called on the engine thread after each loop turn with the stats and the outputs (aborts included)."""
+
+
+class QueueFullError(Exception):
+    """The waiting queue would go over --max-queue-len; the client should retry later."""
+
+
+class EngineUnavailableError(Exception):
+    """The engine is shutting down or has died; no request can be served."""
+
+
+class RequestStream:
+    """The choices of one API request, as they grow: `async for updates in stream` yields
+    {choice index: latest cumulative RequestOutput} until every choice has finished.
+
+    Lives on the event loop. `close()` must be called when the handler is done (a finally):
+    it aborts the choices still running, e.g. when the client went away.
+    """
+
+    def __init__(self, owner: AsyncLLM, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+        self._owner = owner
+        self._latest: dict[int, RequestOutput] = {}
+        self._event = asyncio.Event()
+        self._unfinished = set(range(len(req_ids)))
+        self._error: BaseException | None = None
+
+    def _put(self, index: int, output: RequestOutput) -> None:
+        self._latest[index] = output
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> dict[int, RequestOutput]:
+        while not self._latest:
+            if not self._unfinished:
+                raise StopAsyncIteration
+            if self._error is not None:
+                raise self._error
+            await self._event.wait()
+            self._event.clear()
+        updates, self._latest = self._latest, {}
+        for index, output in updates.items():
+            if output.finished:
+                self._unfinished.discard(index)
+        return updates
+
+    async def collect(self) -> list[RequestOutput]:
+        """Wait for every choice to finish; their final outputs in choice order."""
+        final: dict[int, RequestOutput] = {}
+        async for updates in self:
+            final.update(updates)
+        return [final[i] for i in range(len(self.req_ids))]
+
+    def close(self) -> None:
+        if self._unfinished:
+            self._owner.abort([self.req_ids[i] for i in sorted(self._unfinished)])
+            self._unfinished.clear()
+
+
+class AsyncLLM:
+    """LLMEngine for an asyncio server. `start()` from the event loop, `shutdown()` at exit."""
+
+    def __init__(
+        self, engine: LLMEngine, *, max_queue_len: int | None = None, on_step: StepCallback | None = None
+    ) -> None:
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self.is_accepting = True
+        self.error: BaseException | None = None
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._routes: dict[str, tuple[RequestStream, int]] = {}  # event loop only
+        self._pending_outputs: list[RequestOutput] = []  # engine thread only: outputs of aborts
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def stop_admitting(self) -> None:
+        """New requests get EngineUnavailableError from now on; running ones go on."""
+        self.is_accepting = False
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread after the commands already queued (aborts among them)."""
+        self.stop_admitting()
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(None)
+            await asyncio.to_thread(self._thread.join)
+
+    # ---- event loop side ---------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompts: Sequence[PromptType | PromptBuilder],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        user: str | None = None,
+    ) -> RequestStream:
+        """Queue `params.n` sequences per prompt (choice i*n + j: prompt i, seed + j) as one
+        atomic add: all are queued or none. Raises ValueError for a bad request,
+        QueueFullError past --max-queue-len, EngineUnavailableError when not serving."""
+        self._check_available()
+        req_ids = [f"{request_id}-{i}" for i in range(len(prompts) * params.n)]
+        stream = RequestStream(self, req_ids)
+        # Routes exist before the add is sent, so the first outputs always find their stream.
+        for index, req_id in enumerate(req_ids):
+            self._routes[req_id] = (stream, index)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        try:
+            await self.call(
+                lambda engine: self._add(engine, prompts, params, req_ids, arrival, cache_salt, user)
+            )
+        except BaseException:
+            self.abort(req_ids)  # no-op unless the handler was cancelled after the add went through
+            raise
+        return stream
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread (between steps) and return its result."""
+        self._check_available()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as error:
+                    future.set_exception(error)
+
+        self._commands.put(command)
+        return await asyncio.wrap_future(future)
+
+    def abort(self, req_ids: list[str]) -> None:
+        """Drop these requests now; the engine thread frees their blocks before its next step."""
+        for req_id in req_ids:
+            self._routes.pop(req_id, None)
+        self._commands.put(lambda: self._pending_outputs.extend(self.engine.abort_request(req_ids)))
+
+    def _check_available(self) -> None:
+        if self.error is not None:
+            raise EngineUnavailableError(f"the engine has stopped after an error: {self.error}")
+        if not self.is_accepting:
+            raise EngineUnavailableError("the server is shutting down")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            route = self._routes.get(output.request_id)
+            if route is None:
+                continue  # aborted by its handler
+            route[0]._put(route[1], output)
+            if output.finished:
+                del self._routes[output.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream, _ in self._routes.values():
+            stream._fail(EngineUnavailableError(f"the engine has stopped after an error: {error}"))
+        self._routes.clear()
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _add(
+        self,
+        engine: LLMEngine,
+        prompts: Sequence[PromptType | PromptBuilder],
+        params: SamplingParams,
+        req_ids: list[str],
+        arrival_time: float,
+        cache_salt: str | None,
+        user: str | None,
+    ) -> None:
+        if self.max_queue_len is not None:
+            waiting = engine.get_stats().num_waiting_reqs
+            if waiting + len(req_ids) > self.max_queue_len:
+                raise QueueFullError(
+                    f"{waiting} requests are waiting and {len(req_ids)} more would pass --max-queue-len "
+                    f"{self.max_queue_len}; retry later"
+                )
+        n = params.n
+        children = [
+            params
+            if n == 1
+            else dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+            for j in range(n)
+        ]
+        added: list[str] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                if callable(prompt):
+                    prompt = prompt(engine.tokenizer)
+                for j, child in enumerate(children):
+                    added.append(
+                        engine.add_request(
+                            req_ids[i * n + j],
+                            prompt,
+                            child,
+                            arrival_time=arrival_time,
+                            cache_salt=cache_salt,
+                            user=user,
+                        )
+                    )
+        except BaseException:
+            engine.abort_request(added)
+            raise
+
+    def _run(self) -> None:
+        assert self._loop is not None
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished_requests()):
+                outputs, self._pending_outputs = self._pending_outputs, []
+                if self.engine.has_unfinished_requests():
+                    outputs += self.engine.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                if self._on_step is not None:
+                    self._on_step(self.engine.get_stats(), outputs)
+        except BaseException as error:
+            logger.exception("The engine loop failed; the server can no longer generate")
+            self.error = error
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run every queued command (waiting for one when idle). False once told to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while command is not None:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False

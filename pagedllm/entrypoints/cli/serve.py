@@ -1,0 +1,37 @@
+"""`pagedllm serve [MODEL]`: the OpenAI-compatible server, with the api_server module's own flags."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from pagedllm.entrypoints.openai.api_server import add_server_args, check_server_args, run_server
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (same flags as python -m pagedllm.entrypoints.openai.api_server)",
+        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /version, /tokenize, /detokenize, /metrics.",
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Hugging Face model folder or GGUF file (same as --model). "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    )
+    add_server_args(parser)
+    parser.set_defaults(handler=functools.partial(_serve, parser))
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.model_tag is not None:
+        if getattr(args, "model", args.model_tag) != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    del args.model_tag
+    check_server_args(parser, args)
+    run_server(args)

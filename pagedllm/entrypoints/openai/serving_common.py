@@ -1,0 +1,141 @@
+"""What the completion and chat endpoints share: sampling params from a request, usage,
+server-sent events, and noticing a client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from pagedllm.engine.async_engine import RequestStream
+from pagedllm.entrypoints.openai.errors import error_json, to_api_error
+from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+)
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sampling_params(
+    request: SamplingFields, *, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """Fields sent as null keep SamplingParams' defaults. Raises ValueError naming a bad field."""
+    fields = {name: getattr(request, name) for name in _SAMPLING_FIELDS if getattr(request, name) is not None}
+    return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def usage(outputs: Mapping[int, RequestOutput], n: int) -> UsageInfo:
+    """Totals over the choices; a prompt shared by its n choices counts once (choice i*n)."""
+    firsts = [output for index, output in outputs.items() if index % n == 0]
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in firsts)
+    completion_tokens = sum(len(output.outputs[0].token_ids) for output in outputs.values())
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(output.num_cached_tokens for output in firsts)
+        ),
+    )
+
+
+def choice_usage(output: RequestOutput) -> UsageInfo:
+    """Usage so far of one choice (stream_options.continuous_usage_stats)."""
+    return usage({0: output}, 1)
+
+
+class DeltaTracker:
+    """How much of each choice's cumulative output a stream has sent: the next chunk is the rest."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.num_chars = [0] * num_choices
+        self.num_tokens = [0] * num_choices
+
+    def advance(self, index: int, output: RequestOutput) -> tuple[str, int, int]:
+        """The new text, and the range [start, end) of new token positions."""
+        completion = output.outputs[0]
+        text = completion.text[self.num_chars[index] :]
+        start, end = self.num_tokens[index], len(completion.token_ids)
+        self.num_chars[index] = len(completion.text)
+        self.num_tokens[index] = end
+        return text, start, end
+
+
+def top_logprobs(entry: dict[int, Logprob], num_top: int) -> list[Logprob]:
+    """The num_top most likely tokens at one position (the sampled one only if it is among them)."""
+    return sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def event_stream(
+    stream: RequestStream,
+    first: Iterable[str],
+    chunks: Callable[[int, RequestOutput], Iterable[str]],
+    last: Callable[[], Iterable[str]],
+) -> AsyncIterator[str]:
+    """SSE text: `first`, then chunks(index, output) per update, `last()`, `data: [DONE]`.
+
+    An engine error mid-stream becomes an error event (the status line has already gone out).
+    When the client disconnects, starlette cancels this generator and the finally aborts.
+    """
+    try:
+        for chunk in first:
+            yield chunk
+        async for updates in stream:
+            for index in sorted(updates):
+                for chunk in chunks(index, updates[index]):
+                    yield chunk
+        for chunk in last():
+            yield chunk
+    except Exception as error:
+        yield f"data: {error_json(to_api_error(error))}\n\n"
+    finally:
+        stream.close()
+    yield SSE_DONE
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it if the client disconnects first (then None)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

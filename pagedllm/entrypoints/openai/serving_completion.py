@@ -1,0 +1,151 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) x n choices, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.async_engine import AsyncLLM, RequestStream
+from pagedllm.engine.llm_engine import PromptType
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from pagedllm.entrypoints.openai.serving_common import (
+    DeltaTracker,
+    choice_usage,
+    event_stream,
+    sampling_params,
+    sse,
+    top_logprobs,
+    until_disconnected,
+    usage,
+)
+from pagedllm.entrypoints.openai.serving_models import ServedModels
+from pagedllm.outputs import RequestOutput
+
+
+class ServingCompletion:
+    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
+        self.engine = engine
+        self.models = models
+
+    async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        arrival_time = time.monotonic()
+        model = self.models.resolve(request.model)
+        params = sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await self.engine.generate(
+            _prompts(request.prompt),
+            params,
+            request_id=response_id,
+            arrival_time=arrival_time,
+            cache_salt=request.cache_salt,
+            user=request.user,
+        )
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, stream, response_id, model, params.n), media_type="text/event-stream"
+            )
+        try:
+            outputs = await until_disconnected(raw_request, stream.collect())
+        finally:
+            stream.close()
+        if outputs is None:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        choices = [
+            CompletionChoice(
+                index=index,
+                text=output.outputs[0].text,
+                logprobs=_logprobs(output, 0, len(output.outputs[0].token_ids), request.logprobs, 0),
+                finish_reason=output.outputs[0].finish_reason,
+                stop_reason=output.outputs[0].stop_reason,
+            )
+            for index, output in enumerate(outputs)
+        ]
+        return Response(
+            CompletionResponse(
+                id=response_id, model=model, choices=choices, usage=usage(dict(enumerate(outputs)), params.n)
+            ).model_dump_json(),
+            media_type="application/json",
+        )
+
+    def _stream(
+        self, request: CompletionRequest, stream: RequestStream, response_id: str, model: str, n: int
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        options = request.stream_options
+        continuous = options is not None and options.continuous_usage_stats
+        tracker = DeltaTracker(len(stream.req_ids))
+        latest: dict[int, RequestOutput] = {}
+
+        def chunks(index: int, output: RequestOutput) -> Iterator[str]:
+            latest[index] = output
+            offset = tracker.num_chars[index]
+            text, start, end = tracker.advance(index, output)
+            completion = output.outputs[0]
+            if not text and not completion.finished and (request.logprobs is None or start == end):
+                return
+            choice = CompletionChoice(
+                index=index,
+                text=text,
+                logprobs=_logprobs(output, start, end, request.logprobs, offset),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            yield sse(
+                CompletionResponse(
+                    id=response_id,
+                    created=created,
+                    model=model,
+                    choices=[choice],
+                    usage=choice_usage(output) if continuous else None,
+                )
+            )
+
+        def last() -> Iterator[str]:
+            if options is not None and options.include_usage:
+                yield sse(
+                    CompletionResponse(
+                        id=response_id, created=created, model=model, choices=[], usage=usage(latest, n)
+                    )
+                )
+
+        return event_stream(stream, (), chunks, last)
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError("prompt: the prompt list is empty")
+    if isinstance(prompt[0], int):
+        return [prompt]  # one prompt of token ids
+    return list(prompt)
+
+
+def _logprobs(
+    output: RequestOutput, start: int, end: int, num_top: int | None, text_offset: int
+) -> CompletionLogprobs | None:
+    """OpenAI's legacy logprobs of token positions [start, end)."""
+    completion = output.outputs[0]
+    if num_top is None or completion.logprobs is None:
+        return None
+    result = CompletionLogprobs()
+    for token_id, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end], strict=True):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob)
+        result.top_logprobs.append(
+            {lp.decoded_token or "": lp.logprob for lp in top_logprobs(entry, num_top)}
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
