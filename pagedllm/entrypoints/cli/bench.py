@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.bench import prefix, throughput
+from pagedllm.bench import prefix, serve, throughput
 
 
 def register(subparsers) -> None:
@@ -14,3 +14,6 @@ def register(subparsers) -> None:
     parser = kinds.add_parser("prefix", help="prefix caching on vs off on the same traffic, same run")
     prefix.add_arguments(parser)
     parser.set_defaults(handler=prefix.main)
+    parser = kinds.add_parser("serve", help="an OpenAI-compatible server under streaming load (vs offline)")
+    serve.add_arguments(parser)
+    parser.set_defaults(handler=serve.main)
