@@ -69,7 +69,8 @@ class ServingChat:
         )
         if request.stream:
             return StreamingResponse(
-                self._stream(request, stream, response_id, model, num_top), media_type="text/event-stream"
+                self._stream(request, stream, response_id, model, params.n, num_top),
+                media_type="text/event-stream",
             )
         try:
             outputs = await until_disconnected(raw_request, stream.collect())
@@ -100,6 +101,7 @@ class ServingChat:
         stream: RequestStream,
         response_id: str,
         model: str,
+        n: int,
         num_top: int | None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
@@ -148,7 +150,7 @@ class ServingChat:
                         created=created,
                         model=model,
                         choices=[],
-                        usage=usage(latest, request.n),
+                        usage=usage(latest, n),
                     )
                 )
 
