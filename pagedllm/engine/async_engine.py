@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -113,11 +113,13 @@ class AsyncLLM:
         self.is_accepting = True
         self.error: BaseException | None = None
         self._on_step = on_step
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: stop
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # event loop only
         self._pending_outputs: list[RequestOutput] = []  # engine thread only: outputs of aborts
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._submit_lock = threading.Lock()
+        self._is_stopped = False
 
     @property
     def is_healthy(self) -> bool:
@@ -154,7 +156,6 @@ class AsyncLLM:
         """Queue `params.n` sequences per prompt (choice i*n + j: prompt i, seed + j) as one
         atomic add: all are queued or none. Raises ValueError for a bad request,
         QueueFullError past --max-queue-len, EngineUnavailableError when not serving."""
-        self._check_available()
         req_ids = [f"{request_id}-{i}" for i in range(len(prompts) * params.n)]
         stream = RequestStream(self, req_ids)
         # Routes exist before the add is sent, so the first outputs always find their stream.
@@ -165,8 +166,12 @@ class AsyncLLM:
             await self.call(
                 lambda engine: self._add(engine, prompts, params, req_ids, arrival, cache_salt, user)
             )
+        except asyncio.CancelledError:
+            self.abort(req_ids)  # the add may have gone through before the handler was cancelled
+            raise
         except BaseException:
-            self.abort(req_ids)  # no-op unless the handler was cancelled after the add went through
+            for req_id in req_ids:
+                self._routes.pop(req_id, None)
             raise
         return stream
 
@@ -174,22 +179,22 @@ class AsyncLLM:
         """Run `fn(engine)` on the engine thread (between steps) and return its result."""
         self._check_available()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def command() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(self.engine))
-                except Exception as error:
-                    future.set_exception(error)
-
-        self._commands.put(command)
+        if not self._submit(_Command(fn, future)):
+            raise EngineUnavailableError("the engine has stopped")
         return await asyncio.wrap_future(future)
 
     def abort(self, req_ids: list[str]) -> None:
         """Drop these requests now; the engine thread frees their blocks before its next step."""
         for req_id in req_ids:
             self._routes.pop(req_id, None)
-        self._commands.put(lambda: self._pending_outputs.extend(self.engine.abort_request(req_ids)))
+        self._submit(_Command(lambda engine: self._pending_outputs.extend(engine.abort_request(req_ids))))
+
+    def _submit(self, command: _Command) -> bool:
+        """Queue work for the engine thread; False once the thread has stopped and nothing would run it."""
+        with self._submit_lock:
+            if not self._is_stopped:
+                self._commands.put(command)
+            return not self._is_stopped
 
     def _check_available(self) -> None:
         if self.error is not None:
@@ -272,6 +277,14 @@ class AsyncLLM:
             logger.exception("The engine loop failed; the server can no longer generate")
             self.error = error
             self._loop.call_soon_threadsafe(self._fail_all, error)
+        finally:
+            # Nothing queued from now on will run: answer the callers instead of leaving them waiting.
+            with self._submit_lock:
+                self._is_stopped = True
+                while not self._commands.empty():
+                    command = self._commands.get_nowait()
+                    if command is not None and command.future is not None:
+                        command.future.set_exception(EngineUnavailableError("the engine has stopped"))
 
     def _run_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when idle). False once told to stop."""
@@ -280,9 +293,26 @@ class AsyncLLM:
         except queue.Empty:
             return True
         while command is not None:
-            command()
+            command.run(self.engine)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
         return False
+
+
+@dataclasses.dataclass
+class _Command:
+    """Work for the engine thread; with a future when someone awaits its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future | None = None
+
+    def run(self, engine: LLMEngine) -> None:
+        if self.future is None:
+            self.fn(engine)
+        elif self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self.fn(engine))
+            except Exception as error:
+                self.future.set_exception(error)

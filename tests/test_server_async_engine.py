@@ -1,0 +1,148 @@
+"""AsyncLLM without a model: a scripted engine shows the thread hand-offs, the atomic fan-out,
+the queue limit and what callers see when the engine thread dies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedllm.engine.async_engine import AsyncLLM, EngineUnavailableError, QueueFullError
+from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.request import RequestMetrics
+from pagedllm.sampling_params import SamplingParams
+
+
+class ScriptedEngine:
+    """Each step gives every live request one more token 'a'; requests end after `length` tokens."""
+
+    tokenizer = None
+
+    def __init__(self, fail_on_step: int | None = None, length: int = 3) -> None:
+        self.length = length
+        self.live: dict[str, tuple[str, SamplingParams, int]] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.fail_on_step = fail_on_step
+
+    def add_request(self, req_id, prompt, params, **kwargs) -> str:
+        if prompt == "bad":
+            raise ValueError("prompt: bad")
+        self.live[req_id] = (prompt, params, 0)
+        return req_id
+
+    def abort_request(self, req_ids):
+        self.aborted += [r for r in req_ids if r in self.live]
+        return [self._output(r, self.live.pop(r)[2], "abort") for r in req_ids if r in self.live]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_waiting_reqs=len(self.live))
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        if self.steps == self.fail_on_step:
+            raise RuntimeError("boom")
+        outputs = []
+        for req_id, (prompt, params, num) in list(self.live.items()):
+            num += 1
+            self.live[req_id] = (prompt, params, num)
+            outputs.append(self._output(req_id, num, "length" if num == self.length else None))
+            if num == self.length:
+                del self.live[req_id]
+        return outputs
+
+    @staticmethod
+    def _output(req_id: str, num: int, finish_reason: str | None) -> RequestOutput:
+        completion = CompletionOutput(0, "a" * num, [0] * num, finish_reason=finish_reason)
+        return RequestOutput(req_id, None, [1], [completion], finish_reason is not None, RequestMetrics(0.0))
+
+
+def run(engine: ScriptedEngine, body, **kwargs):
+    async def main():
+        llm = AsyncLLM(engine, **kwargs)  # type: ignore[arg-type]
+        llm.start()
+        try:
+            return await body(llm)
+        finally:
+            await llm.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_fan_out_streams_every_choice_to_the_end():
+    engine = ScriptedEngine()
+
+    async def body(llm: AsyncLLM):
+        stream = await llm.generate(["x", "y"], SamplingParams(n=2), request_id="r")
+        return await stream.collect()
+
+    outputs = run(engine, body)
+    assert [o.request_id for o in outputs] == ["r-0", "r-1", "r-2", "r-3"]
+    assert all(o.outputs[0].text == "aaa" and o.finished for o in outputs)
+
+
+def test_a_bad_prompt_adds_nothing_and_a_full_queue_refuses():
+    engine = ScriptedEngine()
+    seeds = []
+    original = engine.add_request
+
+    def recording_add(req_id, prompt, params, **kwargs):
+        seeds.append(params.seed)
+        return original(req_id, prompt, params, **kwargs)
+
+    engine.add_request = recording_add  # type: ignore[method-assign]
+
+    async def body(llm: AsyncLLM):
+        with pytest.raises(ValueError, match="prompt: bad"):
+            await llm.generate(["x", "bad"], SamplingParams(n=2, seed=5), request_id="r")
+        assert engine.aborted == ["r-0", "r-1"] and not engine.live  # all or nothing
+        assert not llm._routes
+        with pytest.raises(QueueFullError):
+            await llm.generate(["x"], SamplingParams(n=5), request_id="q")
+        stream = await llm.generate(["x"], SamplingParams(n=2), request_id="ok")
+        return await stream.collect()
+
+    outputs = run(engine, body, max_queue_len=4)
+    assert seeds[:2] == [5, 6] and len(outputs) == 2
+
+
+def test_close_aborts_what_is_still_running():
+    engine = ScriptedEngine(length=10**9)
+
+    async def body(llm: AsyncLLM):
+        stream = await llm.generate(["x"], SamplingParams(), request_id="r")
+        await anext(stream)
+        stream.close()
+        await llm.call(lambda e: None)  # the abort ran before this
+        return engine.aborted
+
+    assert run(engine, body) == ["r-0"]
+
+
+def test_a_dead_engine_fails_streams_and_refuses_new_work():
+    engine = ScriptedEngine(fail_on_step=2)
+
+    async def body(llm: AsyncLLM):
+        stream = await llm.generate(["x"], SamplingParams(), request_id="r")
+        with pytest.raises(EngineUnavailableError, match="boom"):
+            await stream.collect()
+        assert not llm.is_healthy
+        with pytest.raises(EngineUnavailableError):
+            await llm.generate(["x"], SamplingParams(), request_id="s")
+        with pytest.raises(EngineUnavailableError):
+            await llm.call(lambda e: None)
+
+    run(engine, body)
+
+
+def test_shutdown_refuses_new_requests():
+    async def body(llm: AsyncLLM):
+        llm.stop_admitting()
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await llm.generate(["x"], SamplingParams(), request_id="r")
+
+    run(ScriptedEngine(), body)
