@@ -275,6 +275,11 @@ def test_cached_tokens_reported_for_a_repeated_prompt(client):
     assert first.usage.prompt_tokens > 300
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
     assert second.choices[0].text == first.choices[0].text
+    # cache_salt reaches the engine: a salted request shares nothing with unsalted ones.
+    salted = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-a"}
+    )
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_n_choices_are_seeded_like_offline(client, llm):

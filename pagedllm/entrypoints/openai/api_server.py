@@ -90,8 +90,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--graceful-shutdown-timeout",
-        type=float,
-        default=30.0,
+        type=int,
+        default=30,
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted. "
         "(default: 30)",
     )
@@ -218,7 +218,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
             logger.info(
-                "Shutting down: new requests get 503; in-flight ones get %.0f s to finish",
+                "Shutting down: new requests get 503; in-flight ones get %d s to finish",
                 self.config.timeout_graceful_shutdown or 0,
             )
         self.engine.stop_admitting()
@@ -296,7 +296,7 @@ def run_server(args: argparse.Namespace) -> None:
     uvicorn_config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=int(args.graceful_shutdown_timeout),
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
     )
     _Server(uvicorn_config, engine, url).run(sockets=[sock])
 
