@@ -437,9 +437,10 @@ def test_full_queue_gets_503_with_retry_after(server, http):
         async with httpx.AsyncClient(
             base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
         ) as aclient:
-            long = {"model": MODEL, "max_tokens": 900, "ignore_eos": True, "stream": True}
+            # Every seat taken for longer than the test lasts; 8 x 600 tokens fit the pool, so no preemption.
+            long = {"model": MODEL, "max_tokens": 600, "ignore_eos": True, "stream": True}
             holders = []
-            for i in range(MAX_NUM_SEQS):  # every seat taken, for longer than the test lasts
+            for i in range(MAX_NUM_SEQS):
                 request = aclient.build_request(
                     "POST", "/v1/completions", json={**long, "prompt": f"Seat {i}:"}
                 )
