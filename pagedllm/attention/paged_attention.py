@@ -8,6 +8,9 @@ Every layer first writes the step's new K/V into their slots, then reads:
   and avoids expanding K/V for grouped-query attention.
 - prefills, one SDPA call per request chunk: causal over its own tokens, plus the context
   already in the cache (earlier chunks or prefix-cache hits) when there is one.
+
+An 8-bit cache (kv_quant.py) is quantized on write and dequantized where blocks are gathered;
+its byte moves go through uint8 views, since not every device copies float8 by index.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.kv_quant import dequantize, is_quantized, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
 
 
@@ -26,9 +30,27 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] into their slots of the caches."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    if is_quantized(k_cache):
+        key, value = quantize(key, k_cache.dtype), quantize(value, v_cache.dtype)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    num_kv_heads, row = key.shape[1], k_cache.shape[-1]  # row: head_dim, + scale bytes when quantized
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[len(block_ids), block_size, num_kv_heads, head_dim] of those blocks, in `dtype`."""
+    if is_quantized(cache):
+        return dequantize(cache.view(torch.uint8).index_select(0, block_ids), cache.dtype, dtype)
+    return cache.index_select(0, block_ids).to(dtype)
+
+
+def read_slots(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[len(slots), num_kv_heads, head_dim] of those slots, in `dtype`."""
+    rows = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, num_kv_heads, row]
+    if is_quantized(cache):
+        return dequantize(rows.view(torch.uint8).index_select(0, slots), cache.dtype, dtype)
+    return rows.index_select(0, slots).to(dtype)
 
 
 def paged_attention(
@@ -43,6 +65,11 @@ def paged_attention(
     """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]."""
     write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
+    if is_quantized(k_cache) and metadata.prefills:
+        # Attention sees K/V only as the cache holds them, so a prompt scores the same in one
+        # chunk, in several, or after a prefix-cache hit (the last two read the cache anyway).
+        key = read_slots(k_cache, metadata.slot_mapping, query.dtype)
+        value = read_slots(v_cache, metadata.slot_mapping, query.dtype)
     output = torch.empty_like(query)
     for batch in metadata.decode_batches:
         output[batch.token_indices] = _decode(query[batch.token_indices], k_cache, v_cache, batch, scale)
@@ -58,12 +85,12 @@ def _decode(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     flat_blocks = batch.block_tables.flatten()
-    # [batch, kv_heads, max_blocks * block_size, head_dim], a strided view of the gathered blocks
-    keys = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # [batch, max_blocks * block_size, kv_heads, head_dim]; SDPA gets a transposed, strided view
+    keys = read_blocks(k_cache, flat_blocks, query.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
+    values = read_blocks(v_cache, flat_blocks, query.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        grouped, keys.to(query.dtype), values.to(query.dtype), attn_mask=batch.attend_mask, scale=scale
+        grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.attend_mask, scale=scale
     )
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -77,7 +104,7 @@ def _prefill(
     span: PrefillSpan,
     scale: float,
 ) -> torch.Tensor:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, head_dim = k_cache.shape[2], query.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, chunk, head_dim]
     if span.block_ids is None:
         k = key.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, chunk, head_dim]
@@ -85,10 +112,10 @@ def _prefill(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         seq_len = span.num_context_tokens + query.shape[0]
-        k = k_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, seq_len, head_dim]
-        v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
+        k = read_blocks(k_cache, span.block_ids, query.dtype).view(-1, num_kv_heads, head_dim)[:seq_len]
+        v = read_blocks(v_cache, span.block_ids, query.dtype).view(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, seq_len, head_dim]
+        v = v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=span.attend_mask, scale=scale, enable_gqa=True
         )

@@ -26,7 +26,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
-from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache
+from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -46,12 +46,8 @@ class LLMEngine:
 
         self.worker = Worker(self.config, folder, self.model_config)
         self.worker.load_model(max_position=max_model_len)
-        kv_dtype = self.config.kv_cache_dtype
-        spec = KVCacheSpec.for_model(
-            self.model_config,
-            self.config.block_size,
-            str(self.worker.dtype).split(".")[-1] if kv_dtype == "auto" else kv_dtype,
-        )
+        cache_dtype = resolve_cache_dtype(self.config.kv_cache_dtype, str(self.worker.dtype).split(".")[-1])
+        spec = KVCacheSpec.for_model(self.model_config, self.config.block_size, cache_dtype)
         self.kv_cache_plan = plan_kv_cache(
             spec, self.worker.kv_cache_budget_bytes(), max_model_len, self.config.num_gpu_blocks_override
         )
@@ -233,12 +229,14 @@ class LLMEngine:
             device,
         )
         logger.info("Available KV cache memory: %.2f GiB", plan.budget_bytes / 2**30)
+        scales = plan.spec.scale_bytes_per_token
         logger.info(
-            "KV cache: %s blocks of %d tokens, %s bytes per token (%s)",
+            "KV cache: %s blocks of %d tokens, %s bytes per token (%s%s)",
             f"{plan.num_blocks:,}",
             plan.spec.block_size,
             f"{plan.spec.bytes_per_token:,}",
             plan.spec.cache_dtype,
+            f", {scales:,} of them scales" if scales else "",
         )
         logger.info("%sKV cache size: %s tokens", "GPU " if device == "cuda" else "", f"{plan.num_tokens:,}")
         logger.info(

@@ -1,9 +1,10 @@
 """KV cache sizing and allocation: bytes per token, blocks from a memory budget, the tensors.
 
-    bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    bytes per token = 2 (K and V) x layers x kv_heads x (head_dim x bytes per element + scale bytes)
 
-The planner (`pagedllm plan`) and the engine both size the cache with `KVCacheSpec`, so the
-figures it prints are exactly what the engine allocates.
+Scale bytes are 0 for float caches and 2 (one float16 per token and KV head) for 8-bit ones,
+see attention/kv_quant.py. The planner (`pagedllm plan`) and the engine both size the cache
+with `KVCacheSpec`, so the figures it prints are exactly what the engine allocates.
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, SCALE_BYTES
 from pagedllm.model.config import ModelConfig
 
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+_ALIASES = {"fp8": "fp8_e4m3"}  # as in vLLM
+
+
+def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The cache dtype for a --kv-cache-dtype value: `auto` keeps the model dtype, `fp8` is e4m3."""
+    return model_dtype if kv_cache_dtype == "auto" else _ALIASES.get(kv_cache_dtype, kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -23,19 +31,45 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    cache_dtype: str  # float32 | bfloat16 | float16
+    cache_dtype: str  # float32 | bfloat16 | float16 | int8 | fp8_e4m3 | fp8_e5m2
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, cache_dtype: str) -> KVCacheSpec:
         if cache_dtype not in _ELEMENT_BYTES:
-            raise ValueError(f"kv_cache_dtype: {cache_dtype!r} is not supported yet; use auto")
+            raise ValueError(
+                f"kv_cache_dtype: {cache_dtype!r} is not a KV cache dtype; "
+                "use auto, int8, fp8, fp8_e4m3 or fp8_e5m2"
+            )
+        if cache_dtype in KV_CACHE_DTYPES and config.head_dim % 2:
+            raise ValueError(
+                f"kv_cache_dtype: {cache_dtype} packs a float16 scale after head_dim values, which needs "
+                f"an even head_dim, not {config.head_dim}; use auto"
+            )
         return cls(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, cache_dtype
         )
 
     @property
+    def is_quantized(self) -> bool:
+        return self.cache_dtype in KV_CACHE_DTYPES
+
+    @property
+    def element_bytes(self) -> int:
+        return _ELEMENT_BYTES[self.cache_dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) for one KV head, its scale included."""
+        return self.head_dim * self.element_bytes + (SCALE_BYTES if self.is_quantized else 0)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _ELEMENT_BYTES[self.cache_dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.row_bytes
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """The scales' share of bytes_per_token (0 for float caches)."""
+        return 2 * self.num_layers * self.num_kv_heads * (SCALE_BYTES if self.is_quantized else 0)
 
     @property
     def bytes_per_block(self) -> int:
@@ -51,11 +85,16 @@ class KVCacheSpec:
 def allocate_kv_caches(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed [num_blocks, block_size, kv_heads, head_dim] K and V per layer, carved from a
-    single allocation. Zeroed, not empty: padding slots are read (then masked) by batched
-    attention, and masked garbage that happens to be NaN would still poison the sum."""
-    dtype = getattr(torch, spec.cache_dtype)
-    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    """One zeroed [num_blocks, block_size, kv_heads, row] K and V per layer, carved from a
+    single allocation; row is head_dim, or head_dim + 2 scale bytes for an 8-bit cache (whose
+    tensor dtype, int8 or float8, says how to read it). Zeroed, not empty: padding slots are
+    read (then masked) by batched attention, and masked garbage that happens to be NaN would
+    still poison the sum; zero bytes read back as 0.0 in every format."""
+    if spec.is_quantized:
+        dtype, row = KV_CACHE_DTYPES[spec.cache_dtype], spec.head_dim + SCALE_BYTES
+    else:
+        dtype, row = getattr(torch, spec.cache_dtype), spec.head_dim
+    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, row)
     storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
 
