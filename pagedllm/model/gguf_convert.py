@@ -45,12 +45,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
 
 
+def _cache_folder(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()
+    return cache_root() / "gguf" / f"{path.stem}-{key[:12]}"
+
+
 def converted_folder(gguf_path: str | Path) -> Path:
     """The cached HF folder for a GGUF file, converting it on first use."""
     path = Path(gguf_path).resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()
-    folder = cache_root() / "gguf" / f"{path.stem}-{key[:12]}"
+    folder = _cache_folder(path)
     if (folder / "config.json").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -67,19 +71,26 @@ def converted_folder(gguf_path: str | Path) -> Path:
     return folder
 
 
+def gguf_hf_config(gguf_path: str | Path) -> dict[str, Any]:
+    """The config.json a GGUF converts to, without converting it: from the cached conversion when
+    there is one, else from the metadata alone (the file is memory-mapped, no weight is read or
+    dequantized; parsing the tokenizer arrays still takes seconds, hence the cache first)."""
+    import gguf
+
+    cached = _cache_folder(Path(gguf_path).resolve()) / "config.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    return _config_of(gguf.GGUFReader(str(gguf_path)))
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import gguf
     import torch
     from safetensors.torch import save_file
 
     reader = gguf.GGUFReader(str(gguf_path))
-    metadata = _read_metadata(reader)
-    arch = metadata.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; pagedllm reads {sorted(_ARCHITECTURES)}"
-        )
-    config = _hf_config(metadata, arch, reader)
+    config = _config_of(reader)
+    arch = config["model_type"]
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
@@ -91,10 +102,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = _unpermute_rotary_rows(array, heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, out_dir)
+
+
+def _config_of(reader: Any) -> dict[str, Any]:
+    metadata = _read_metadata(reader)
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; pagedllm reads {sorted(_ARCHITECTURES)}"
+        )
+    config = _hf_config(metadata, arch, reader)
+    config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    return config
 
 
 def _read_metadata(reader: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedllm.entrypoints.cli import bench, evaluate, generate, serve
+from pagedllm.entrypoints.cli import bench, evaluate, generate, plan, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(subparsers)
     serve.register(subparsers)
     bench.register(subparsers)
+    plan.register(subparsers)
     evaluate.register(subparsers)
     return parser
 

@@ -1,0 +1,222 @@
+"""Capacity planning from a model's config alone: how many tokens and requests the KV cache holds.
+
+    bytes per token = 2 (K and V) x layers x kv_heads x (head_dim x bytes per element + scale bytes)
+    KV budget       = --kv-cache-memory-bytes, or device memory x utilization - weights - overhead
+    blocks          = KV budget // (bytes per token x block_size);  tokens = blocks x block_size
+    max concurrency = tokens / max_model_len
+
+The arithmetic is the engine's own (KVCacheSpec, plan_kv_cache), so for the same model and
+budget the planner's blocks are the blocks the engine allocates. No weight is loaded: an HF
+folder gives its config.json, a GGUF its metadata, or the shape is given by numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_convert import gguf_hf_config
+from pagedllm.model.loader import default_model_path, resolve_dtype
+from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
+
+WHAT_IF_MAX_MODEL_LENS = (1024, 2048, 4096)  # and the model's own maximum
+WHAT_IF_KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # fp8_e5m2 has fp8_e4m3's size
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def read_model_config(model: str | None) -> ModelConfig:
+    """The config of an HF folder or a GGUF file (None: the default model), reading no weights."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelConfig.from_folder(path)
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
+    if len(ggufs) == 1 and ggufs[0].is_file() and ggufs[0].suffix == ".gguf":
+        return ModelConfig.from_dict(gguf_hf_config(ggufs[0]))
+    raise FileNotFoundError(
+        f"model {model!r} not found: give a folder with config.json or a .gguf file, "
+        "or describe the model by numbers (--layers, --hidden-size, ...)"
+    )
+
+
+def config_from_numbers(
+    *,
+    layers: int,
+    hidden_size: int,
+    num_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = False,
+) -> ModelConfig:
+    """A Llama-shaped config from its sizes, e.g. the classic 7B: 32, 4096, 32, 11008, 32000."""
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": layers,
+            "hidden_size": hidden_size,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads or num_heads,
+            "head_dim": head_dim or hidden_size // num_heads,
+            "intermediate_size": intermediate_size,
+            "vocab_size": vocab_size,
+            "max_position_embeddings": max_position_embeddings,
+            "tie_word_embeddings": tie_word_embeddings,
+        }
+    )
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where the KV budget comes from, as in Worker.kv_cache_budget_bytes: an explicit size, else a
+    device's memory x utilization less weights and overhead (activation peak and memory outside
+    torch, which the engine measures at start-up and a planner can only be told), else CPU's 4 GiB."""
+
+    kv_cache_memory_bytes: int | None = None
+    device_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    overhead_bytes: int = 0
+
+    def kv_cache_bytes(self, weights_bytes: int) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if self.device_memory_bytes is None:
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        usable = int(self.device_memory_bytes * self.gpu_memory_utilization)
+        budget = usable - weights_bytes - self.overhead_bytes
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: {usable / 1e9:.2f} GB usable "
+                f"({self.device_memory_bytes / 1e9:.2f} GB x {self.gpu_memory_utilization}) minus "
+                f"{weights_bytes / 1e9:.2f} GB of weights and {self.overhead_bytes / 1e9:.2f} GB overhead; "
+                "use a larger device, a smaller --dtype or raise --gpu-memory-utilization"
+            )
+        return budget
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    model_name: str
+    model_config: ModelConfig
+    dtype: str  # weights and activations
+    budget: MemoryBudget
+    kv: KVCachePlan
+    what_if: list[KVCachePlan]  # max_model_len x KV cache dtype, max_model_len-major
+
+    @property
+    def num_parameters(self) -> int:
+        return self.model_config.num_parameters()
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.num_parameters * _DTYPE_BYTES[self.dtype]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every figure, with self-explanatory keys (what `pagedllm plan --json` prints)."""
+        config = self.model_config
+        return {
+            "model": self.model_name,
+            "architecture": config.architecture,
+            "num_layers": config.num_hidden_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "num_kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "max_position_embeddings": config.max_position_embeddings,
+            "dtype": self.dtype,
+            "num_parameters": self.num_parameters,
+            "weights_bytes": self.weights_bytes,
+            "device_memory_bytes": self.budget.device_memory_bytes,
+            "gpu_memory_utilization": self.budget.gpu_memory_utilization
+            if self.budget.device_memory_bytes is not None
+            else None,
+            "overhead_bytes": self.budget.overhead_bytes,
+            "kv_cache_memory_bytes": self.kv.budget_bytes,
+            **_kv_figures(self.kv),
+            "what_if": [_kv_figures(p) for p in self.what_if],
+        }
+
+
+def plan_capacity(
+    model_config: ModelConfig,
+    model_name: str,
+    *,
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    budget: MemoryBudget | None = None,
+) -> CapacityPlan:
+    """Blocks, tokens and concurrency for one setting, plus the what-if grid.
+
+    `dtype` auto is what the engine would pick: bfloat16 on a GPU (a budget with device memory),
+    on this CPU what the engine picks here. Raises ValueError where the engine would refuse to
+    start for other reasons than fit (max_model_len over the model's, no memory left).
+    """
+    budget = budget or MemoryBudget()
+    on_gpu = budget.device_memory_bytes is not None and budget.kv_cache_memory_bytes is None
+    model_dtype = dtype if dtype != "auto" else _auto_dtype(on_gpu)
+    model_max = _model_max_len(model_config)
+    if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_model_len:,} is over the model's context of "
+            f"{model_config.max_position_embeddings:,} tokens"
+        )
+    weights = model_config.num_parameters() * _DTYPE_BYTES[model_dtype]
+    kv_bytes = budget.kv_cache_bytes(weights)
+
+    def kv_plan(cache: str, length: int) -> KVCachePlan:
+        spec = KVCacheSpec.for_model(model_config, block_size, resolve_cache_dtype(cache, model_dtype))
+        try:
+            return plan_kv_cache(spec, kv_bytes, length)
+        except ValueError:  # not one request fits: still worth showing how far off it is
+            return KVCachePlan(spec, kv_bytes, spec.num_blocks_for(kv_bytes), length)
+
+    lengths = sorted({n for n in WHAT_IF_MAX_MODEL_LENS if n < model_max} | {model_max})
+    return CapacityPlan(
+        model_name=model_name,
+        model_config=model_config,
+        dtype=model_dtype,
+        budget=budget,
+        kv=kv_plan(kv_cache_dtype, min(max_model_len or model_max, model_max)),
+        what_if=[kv_plan(cache, n) for n in lengths for cache in WHAT_IF_KV_CACHE_DTYPES],
+    )
+
+
+def fits(plan: KVCachePlan) -> bool:
+    """Whether one request of max_model_len fits (else the engine refuses to start)."""
+    return plan.num_blocks >= plan.spec.blocks_per_sequence(plan.max_model_len)
+
+
+def _kv_figures(plan: KVCachePlan) -> dict[str, Any]:
+    spec = plan.spec
+    return {
+        "kv_cache_dtype": spec.cache_dtype,
+        "block_size": spec.block_size,
+        "bytes_per_element": spec.element_bytes,
+        "bytes_per_token": spec.bytes_per_token,
+        "scale_bytes_per_token": spec.scale_bytes_per_token,
+        "num_blocks": plan.num_blocks,
+        "kv_cache_tokens": plan.num_tokens,
+        "kv_cache_allocated_bytes": plan.allocated_bytes,
+        "max_model_len": plan.max_model_len,
+        "max_concurrency": plan.max_concurrency,
+        "fits": fits(plan),
+    }
+
+
+def _auto_dtype(on_gpu: bool) -> str:
+    if on_gpu:
+        return "bfloat16"  # the engine's choice on every GPU with bfloat16 (Ampere and later)
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
+def _model_max_len(config: ModelConfig) -> int:
+    """The engine's default max_model_len: the model's context, capped at its sliding window."""
+    window = config.sliding_window
+    return min(config.max_position_embeddings, window or config.max_position_embeddings)
