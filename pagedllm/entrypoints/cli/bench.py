@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.bench import prefix, serve, throughput
+from pagedllm.bench import kv_quant, prefix, serve, throughput
 
 
 def register(subparsers) -> None:
@@ -14,6 +14,9 @@ def register(subparsers) -> None:
     parser = kinds.add_parser("prefix", help="prefix caching on vs off on the same traffic, same run")
     prefix.add_arguments(parser)
     parser.set_defaults(handler=prefix.main)
+    parser = kinds.add_parser("kv-quant", help="8-bit KV cache vs auto: capacity, perplexity, throughput")
+    kv_quant.add_arguments(parser)
+    parser.set_defaults(handler=kv_quant.main)
     parser = kinds.add_parser("serve", help="an OpenAI-compatible server under streaming load (vs offline)")
     serve.add_arguments(parser)
     parser.set_defaults(handler=serve.main)
