@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -38,9 +39,19 @@ def test_default_model_config_and_kv_size_match_vllm_report():
     assert f"{plan.max_concurrency:.2f}" == "22.75"
 
 
-def test_startup_report_says_what_vllm_users_grep_for(capfd):
-    LLM(dtype="float32", max_model_len=4096, kv_cache_memory_bytes="1GiB", disable_log_stats=True)
-    text = capfd.readouterr().err
+def test_startup_report_says_what_vllm_users_grep_for():
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        LLM(dtype="float32", max_model_len=4096, kv_cache_memory_bytes="1GiB", disable_log_stats=True)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    text = "\n".join(lines)
     assert "weights take 0.50 GiB" in text
     assert "Available KV cache memory: 1.00 GiB" in text
     assert "KV cache size: 23,296 tokens" in text  # 1 GiB / (46,080 B/token), whole 16-token blocks
