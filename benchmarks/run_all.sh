@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Reproduce every figure in docs/benchmarks.md, one benchmark after the other on a quiet
+# machine (each compares against its baseline inside the same run). Results: $OUT (results/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+W=${WORKLOADS:-../shared/workloads}
+OUT=${OUT:-results}
+BIN=.venv/bin
+mkdir -p "$OUT"
+
+# Issue 2: engine vs Hugging Face static batches of 8, KV memory = 8 x 2,048 tokens.
+$BIN/pagedllm bench throughput --workload "$W/mixed.jsonl" --output-json "$OUT/throughput_mixed.json" \
+  | tee "$OUT/throughput_mixed.txt"
+
+# Issue 3: prefix caching on vs off, 8 closed-loop clients.
+for w in shared_prefix multiturn; do
+  $BIN/pagedllm bench prefix --workload "$W/$w.jsonl" --concurrency 8 --max-model-len 4096 \
+    --kv-cache-memory-bytes 2GiB --output-json "$OUT/prefix_$w.json" | tee "$OUT/prefix_$w.txt"
+done
+
+# Issue 4: the HTTP server at concurrency 16 vs the offline engine on the same workload.
+PORT=${PORT:-8765}
+$BIN/pagedllm serve --port "$PORT" --max-model-len 2048 --kv-cache-memory-bytes 1GiB --disable-log-stats \
+  > "$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; done
+$BIN/pagedllm bench serve --base-url "http://127.0.0.1:$PORT" --workload "$W/mixed.jsonl" --concurrency 16 \
+  --offline --max-model-len 2048 --kv-cache-memory-bytes 1GiB \
+  --output-json "$OUT/serve_mixed.json" --plot "$OUT/serve_mixed.png" | tee "$OUT/serve_mixed.txt"
+kill $SERVER; wait $SERVER 2>/dev/null || true
+
+# Issue 5: 8-bit KV cache vs the unquantized cache.
+$BIN/pagedllm bench kv-quant --workload "$W/mixed.jsonl" --kv-cache-dtype int8 \
+  --output-json "$OUT/kv_quant_int8.json" | tee "$OUT/kv_quant_int8.txt"
