@@ -146,3 +146,32 @@ def test_shutdown_refuses_new_requests():
             await llm.generate(["x"], SamplingParams(), request_id="r")
 
     run(ScriptedEngine(), body)
+
+
+def test_launch_builds_the_engine_on_the_engine_thread_and_reports_build_errors():
+    import threading
+
+    import pytest
+
+    from pagedllm.engine.async_engine import AsyncLLM
+
+    built_on = []
+
+    class Tiny:
+        def has_unfinished_requests(self):
+            return False
+
+    def make():
+        built_on.append(threading.current_thread().name)
+        return Tiny()
+
+    async_llm = AsyncLLM.launch(make)
+    assert built_on == ["pagedllm-engine"] and isinstance(async_llm.engine, Tiny)
+    asyncio.run(async_llm.shutdown())
+    assert not async_llm.is_healthy
+
+    def broken():
+        raise ValueError("max_model_len: too long")
+
+    with pytest.raises(ValueError, match="too long"):
+        AsyncLLM.launch(broken)

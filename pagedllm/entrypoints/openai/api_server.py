@@ -2,7 +2,8 @@
 `python -m pagedllm.entrypoints.openai.api_server --model MODEL`, one parser for both.
 
     uvicorn event loop: FastAPI routes -> serving_*.py -> AsyncLLM.generate -> RequestStream
-    engine thread:      AsyncLLM drives LLMEngine.step(); PrometheusMetrics.record after each turn
+    engine thread:      builds LLMEngine, then drives LLMEngine.step(); PrometheusMetrics.record
+                        after each turn (all torch work stays on this one thread)
 
 Start-up: bind the port (fail fast), load the engine (it logs the KV cache report), then log the URL.
 SIGINT/SIGTERM: new requests get 503, in-flight ones get --graceful-shutdown-timeout seconds to
@@ -270,9 +271,10 @@ def run_server(args: argparse.Namespace) -> None:
             "--kv-cache-memory-bytes (default 4GiB)"
         )
     try:
-        llm_engine = LLMEngine(config)
+        engine = AsyncLLM.launch(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
     except (ValueError, FileNotFoundError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
+    llm_engine = engine.engine
     models = ServedModels(
         args.served_model_name or [llm_engine.model_name],
         root=config.model or llm_engine.model_name,
@@ -289,7 +291,7 @@ def run_server(args: argparse.Namespace) -> None:
             "num_gpu_blocks": str(llm_engine.kv_cache_plan.num_blocks),
         },
     )
-    engine = AsyncLLM(llm_engine, max_queue_len=args.max_queue_len, on_step=metrics.record)
+    engine.set_step_callback(metrics.record)
     app = build_app(engine, models, metrics, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
