@@ -38,6 +38,9 @@ class TurnRecord:
     output_tokens: int
     ttft_s: float
     e2e_s: float
+    reusable_tokens: int
+    """Whole blocks of this prompt that the client's previous turn computed (prompt + answer):
+    the most a prefix cache private to this conversation could hit."""
 
 
 @dataclass
@@ -99,6 +102,8 @@ def run_closed_loop(engine: LLMEngine, clients: list[Client], concurrency: int) 
     """Drive clients through the engine, `concurrency` at a time; one engine request per turn."""
     pending = iter(enumerate(clients))
     active: dict[str, tuple[int, int, Client]] = {}  # req_id -> (client index, turn, client)
+    computed_by_client: dict[int, list[int]] = {}  # tokens whose K/V the client's last turn computed
+    block_size = engine.config.block_size
     records: list[TurnRecord] = []
     computed_before = engine.get_stats().num_prompt_tokens_computed
     start = time.monotonic()
@@ -125,6 +130,8 @@ def run_closed_loop(engine: LLMEngine, clients: list[Client], concurrency: int) 
                 continue
             index, turn, client = active.pop(output.request_id)
             metrics = output.metrics
+            reusable = _common_prefix(output.prompt_token_ids, computed_by_client.get(index, []))
+            computed_by_client[index] = output.prompt_token_ids + output.outputs[0].token_ids[:-1]
             records.append(
                 TurnRecord(
                     index,
@@ -134,12 +141,22 @@ def run_closed_loop(engine: LLMEngine, clients: list[Client], concurrency: int) 
                     len(output.outputs[0].token_ids),
                     metrics.time_to_first_token or 0.0,
                     metrics.e2e_latency or 0.0,
+                    reusable // block_size * block_size,
                 )
             )
             if not send(index, turn + 1, client, output.outputs[0].text):
                 start_next_client()
     computed = engine.get_stats().num_prompt_tokens_computed - computed_before
     return ModeResult(records, time.monotonic() - start, computed)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def main(args: argparse.Namespace) -> None:
@@ -169,6 +186,11 @@ def _report(args: argparse.Namespace, results: dict[str, ModeResult]) -> dict:
     rows = [
         ("prefix cache hit rate (all)", f"{on.hit_rate():.3f}", f"{off.hit_rate():.3f}"),
         (f"hit rate {later_label}", f"{on.hit_rate(later):.3f}", "-"),
+        *(
+            [("  most a per-conversation cache could hit", f"{_reusable_rate(later):.3f}", "-")]
+            if any(r.turn for r in on.records)
+            else []
+        ),
         ("prompt tokens computed", f"{on.prompt_tokens_computed:,}", f"{off.prompt_tokens_computed:,}"),
         *[(f"TTFT {q} s", f"{q_on[q]:.3f}", f"{q_off[q]:.3f}") for q in ("p50", "p95", "p99")],
         ("output tokens/s", f"{on.output_throughput:.1f}", f"{off.output_throughput:.1f}"),
@@ -195,6 +217,7 @@ def _report(args: argparse.Namespace, results: dict[str, ModeResult]) -> dict:
         "git": git_sha(),
         "hit_rate": on.hit_rate(),
         "hit_rate_later": on.hit_rate(later),
+        "reusable_rate_later": _reusable_rate(later),
         "ttft_on": q_on,
         "ttft_off": q_off,
         "ttft_p50_ratio": q_off["p50"] / q_on["p50"],
@@ -203,3 +226,8 @@ def _report(args: argparse.Namespace, results: dict[str, ModeResult]) -> dict:
         "prompt_tokens_computed_on": on.prompt_tokens_computed,
         "prompt_tokens_computed_off": off.prompt_tokens_computed,
     }
+
+
+def _reusable_rate(records: list[TurnRecord]) -> float:
+    queries = sum(r.prompt_tokens for r in records)
+    return sum(r.reusable_tokens for r in records) / queries if queries else 0.0
