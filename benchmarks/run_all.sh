@@ -17,6 +17,10 @@ for w in shared_prefix multiturn; do
   $BIN/pagedllm bench prefix --workload "$W/$w.jsonl" --concurrency 8 --max-model-len 4096 \
     --kv-cache-memory-bytes 2GiB --output-json "$OUT/prefix_$w.json" | tee "$OUT/prefix_$w.txt"
 done
+# ... and one client at a time, so each TTFT is one request's own prefill (no arrival waves).
+$BIN/pagedllm bench prefix --workload "$W/shared_prefix.jsonl" --concurrency 1 --num-requests 16 \
+  --max-model-len 4096 --kv-cache-memory-bytes 2GiB --output-json "$OUT/prefix_shared_prefix_c1.json" \
+  | tee "$OUT/prefix_shared_prefix_c1.txt"
 
 # Issue 4: the HTTP server at concurrency 16 vs the offline engine on the same workload.
 PORT=${PORT:-8765}

@@ -221,12 +221,17 @@ class LLMEngine:
         plan: KVCachePlan = self.kv_cache_plan
         device = self.worker.device.type
         logger.info(
-            "Model %s loaded in %.1f s: weights take %.2f GiB (%s) on %s",
+            "Model %s loaded in %.1f s: weights take %.2f GiB (%s) on %s%s",
             self.model_name,
             load_seconds,
             self.worker.weights_bytes / 2**30,
             str(self.worker.dtype).split(".")[-1],
             device,
+            (
+                f", plus {self.worker.packed_copy_bytes / 2**30:.2f} GiB for the tied lm_head's oneDNN copy"
+                if self.worker.packed_copy_bytes
+                else ""
+            ),
         )
         logger.info("Available KV cache memory: %.2f GiB", plan.budget_bytes / 2**30)
         scales = plan.spec.scale_bytes_per_token

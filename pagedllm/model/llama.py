@@ -111,6 +111,19 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def pack_weights(self) -> int:
+        """Pack every projection for oneDNN where that pays (linear.py). Returns the bytes this
+        adds: a tied lm_head gets its own packed copy, since the embedding lookup needs the plain one."""
+        added = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                shared = module is self.lm_head and self.config.tie_word_embeddings
+                before = module.weight
+                module.pack_weight()
+                if shared and module.weight is not before:
+                    added += before.numel() * before.element_size()
+        return added
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -42,17 +42,20 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model: LlamaForCausalLM | None = None
+        self.packed_copy_bytes = 0  # a tied lm_head's oneDNN copy, beside the embedding it shares
         self.runner: ModelRunner | None = None
 
     @property
     def weights_bytes(self) -> int:
+        """The model's weights, each counted once (what the planner computes from the config)."""
         assert self.model is not None
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) - self.packed_copy_bytes
 
     def load_model(self, max_position: int) -> None:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
+        self.packed_copy_bytes = self.model.pack_weights()
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take on this device."""
