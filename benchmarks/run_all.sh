@@ -37,3 +37,6 @@ kill $SERVER; wait $SERVER 2>/dev/null || true
 # Issue 5: 8-bit KV cache vs the unquantized cache.
 $BIN/pagedllm bench kv-quant --workload "$W/mixed.jsonl" --kv-cache-dtype int8 \
   --output-json "$OUT/kv_quant_int8.json" | tee "$OUT/kv_quant_int8.txt"
+# ... and at a budget where the unquantized cache holds a quarter of the batch.
+$BIN/pagedllm bench kv-quant --workload "$W/mixed.jsonl" --kv-cache-dtype int8 --tight-fraction 0.25 \
+  --output-json "$OUT/kv_quant_int8_tight25.json" | tee "$OUT/kv_quant_int8_tight25.txt"
