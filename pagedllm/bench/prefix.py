@@ -176,19 +176,17 @@ def main(args: argparse.Namespace) -> None:
 
 def _report(args: argparse.Namespace, results: dict[str, ModeResult]) -> dict:
     on, off = results["on"], results["off"]
+    conversations = any(r.turn for r in on.records)
     later = [r for r in on.records if r.turn > 0] or sorted(on.records, key=lambda r: r.client)[1:]
-    later_label = (
-        "after each conversation's first turn"
-        if any(r.turn for r in on.records)
-        else "after the first request"
-    )
+    later_label = "after each conversation's first turn" if conversations else "after the first request"
+    reusable = _reusable_rate(later) if conversations else None
     q_on, q_off = on.ttft_quantiles(), off.ttft_quantiles()
     rows = [
         ("prefix cache hit rate (all)", f"{on.hit_rate():.3f}", f"{off.hit_rate():.3f}"),
         (f"hit rate {later_label}", f"{on.hit_rate(later):.3f}", "-"),
         *(
-            [("  most a per-conversation cache could hit", f"{_reusable_rate(later):.3f}", "-")]
-            if any(r.turn for r in on.records)
+            [("  most a per-conversation cache could hit", f"{reusable:.3f}", "-")]
+            if reusable is not None
             else []
         ),
         ("prompt tokens computed", f"{on.prompt_tokens_computed:,}", f"{off.prompt_tokens_computed:,}"),
@@ -217,7 +215,7 @@ def _report(args: argparse.Namespace, results: dict[str, ModeResult]) -> dict:
         "git": git_sha(),
         "hit_rate": on.hit_rate(),
         "hit_rate_later": on.hit_rate(later),
-        "reusable_rate_later": _reusable_rate(later),
+        "reusable_rate_later": reusable,
         "ttft_on": q_on,
         "ttft_off": q_off,
         "ttft_p50_ratio": q_off["p50"] / q_on["p50"],
