@@ -101,7 +101,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = _unpermute_rotary_rows(array, heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+        # F32/F16 tensors come back as read-only views of the mapped file: copy those only
+        tensors[name] = torch.from_numpy(np.require(array, requirements=["C", "W"]))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, out_dir)

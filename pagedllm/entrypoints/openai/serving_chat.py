@@ -30,11 +30,11 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_common import (
     DeltaTracker,
     choice_usage,
+    collect_until_disconnected,
     event_stream,
     sampling_params,
     sse,
     top_logprobs,
-    until_disconnected,
     usage,
 )
 from pagedllm.entrypoints.openai.serving_models import ServedModels
@@ -72,10 +72,7 @@ class ServingChat:
                 self._stream(request, stream, response_id, model, params.n, num_top),
                 media_type="text/event-stream",
             )
-        try:
-            outputs = await until_disconnected(raw_request, stream.collect())
-        finally:
-            stream.close()
+        outputs = await collect_until_disconnected(raw_request, stream)
         if outputs is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         choices = [

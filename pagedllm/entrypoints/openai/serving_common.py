@@ -120,7 +120,16 @@ async def event_stream(
     yield SSE_DONE
 
 
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def collect_until_disconnected(request: Request, stream: RequestStream) -> list[RequestOutput] | None:
+    """Every final output of `stream`, or None if the client disconnects first. The stream is closed
+    either way, so an abandoned request is aborted and its blocks freed at once."""
+    try:
+        return await _until_disconnected(request, stream.collect())
+    finally:
+        stream.close()
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Await `work`, cancelling it if the client disconnects first (then None)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
