@@ -49,10 +49,11 @@ def test_top_k_1_and_tiny_top_p_and_full_min_p_are_greedy():
 
 def test_top_k_samples_only_among_the_k_best():
     logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, -1.0, 3.7]])
-    allowed = {0, 1}
+    seen = set()
     for seed in range(30):
         tokens, _ = sample(logits, [request(temperature=2.0, top_k=2)], seed)
-        assert tokens[0] in allowed
+        seen.add(tokens[0])
+    assert seen == {0, 1}  # both of the two best are drawn, nothing else
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -144,3 +145,9 @@ def test_n_fans_out_with_distinct_seeds(llm):
         "Name a color:", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8), use_tqdm=False
     )
     assert len(outputs) == 1 and [c.index for c in outputs[0].outputs] == [0, 1, 2]
+    # choice j is the same sequence a single request with seed 5 + j draws (vLLM's rule)
+    for j, choice in enumerate(outputs[0].outputs):
+        alone = llm.generate(
+            "Name a color:", SamplingParams(temperature=1.0, seed=5 + j, max_tokens=8), use_tqdm=False
+        )[0]
+        assert choice.token_ids == alone.outputs[0].token_ids

@@ -30,12 +30,14 @@ def make_scheduler(
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
 
 
-def make_request(req_id: str, num_prompt: int, max_tokens: int = 8, first_token: int = 1) -> Request:
+def make_request(
+    req_id: str, num_prompt: int, max_tokens: int = 8, first_token: int = 1, **params
+) -> Request:
     prompt = [first_token + (i % 7) for i in range(num_prompt)]
     return Request(
         req_id=req_id,
         prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
         eos_token_ids=frozenset({EOS}),
         max_tokens=max_tokens,
     )
@@ -85,9 +87,20 @@ def test_finished_request_frees_its_blocks_in_the_same_step():
 
 def test_eos_stops_unless_min_tokens_or_ignore_eos():
     scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", 3))
-    _, outputs = step(scheduler, token=EOS)
-    assert outputs[0].finish_reason == "stop"
+    scheduler.add_request(make_request("plain", 3, max_tokens=4))
+    scheduler.add_request(make_request("min_tokens", 3, max_tokens=4, min_tokens=2))
+    scheduler.add_request(make_request("ignore_eos", 3, max_tokens=4, ignore_eos=True))
+    num_tokens: dict[str, int] = {}
+    finish_reasons: dict[str, str] = {}
+    while scheduler.has_unfinished_requests():
+        _, outputs = step(scheduler, token=EOS)
+        for o in outputs:
+            num_tokens[o.req_id] = num_tokens.get(o.req_id, 0) + len(o.new_token_ids)
+            if o.finish_reason:
+                finish_reasons[o.req_id] = o.finish_reason
+    assert finish_reasons == {"plain": "stop", "min_tokens": "stop", "ignore_eos": "length"}
+    # as vLLM checks it: EOS ends a request once it has min_tokens outputs (the EOS among them)
+    assert num_tokens == {"plain": 1, "min_tokens": 2, "ignore_eos": 4}
 
 
 def test_pool_exhaustion_preempts_the_newest_running_request():
