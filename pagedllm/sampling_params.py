@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -101,3 +102,10 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def per_sequence(self) -> list[SamplingParams]:
+        """One n=1 copy per sequence: sequence j draws with seed + j, as vLLM fans out n."""
+        if self.n == 1:
+            return [self]
+        seeds = [None] * self.n if self.seed is None else [self.seed + j for j in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.kv_quant import SCALE_BYTES, dequantize, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
-from pagedllm.attention.paged_attention import paged_attention, read_slots, write_kv
+from pagedllm.attention.paged_attention import paged_attention, read_blocks, write_kv
 from pagedllm.eval.kv_quant import load_eval_set, tokens_until_divergence
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_cache_dtype
 
@@ -77,12 +77,14 @@ def test_cache_slots_hold_exactly_the_round_trip(name):
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, cache_dtype=name)
     k_cache, v_cache = allocate_kv_caches(spec, num_blocks=3, device=torch.device("cpu"))[0]
     assert k_cache.shape == (3, 4, 2, 8 + SCALE_BYTES) and k_cache.dtype == FORMATS[name]
-    assert (read_slots(k_cache, torch.arange(12), torch.float32) == 0).all()  # zeroed cache reads as 0.0
+    all_slots = read_blocks(k_cache, torch.arange(3), torch.float32).view(12, 2, 8)
+    assert (all_slots == 0).all()  # zeroed cache reads as 0.0
     key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     slots = torch.tensor([9, 2, 3, 11, 0])
     write_kv(k_cache, v_cache, key, value, slots)
     expected = dequantize(quantize(key, FORMATS[name]), FORMATS[name], torch.float32)
-    assert torch.equal(read_slots(k_cache, slots, torch.float32), expected)
+    stored = read_blocks(k_cache, torch.arange(3), torch.float32).view(12, 2, 8)[slots]
+    assert torch.equal(stored, expected)
     assert spec.bytes_per_token * 3 * 4 == 2 * k_cache.nbytes  # the spec counts what is allocated
 
 

@@ -28,14 +28,17 @@ def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """key/value: [num_tokens, num_kv_heads, head_dim] into their slots of the caches."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """key/value: [num_tokens, num_kv_heads, head_dim] into their slots of the caches.
+    Returns the rows as written (packed uint8 rows for an 8-bit cache)."""
     if is_quantized(k_cache):
         key, value = quantize(key, k_cache.dtype), quantize(value, v_cache.dtype)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     num_kv_heads, row = key.shape[1], k_cache.shape[-1]  # row: head_dim, + scale bytes when quantized
-    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value)
+    return key, value
 
 
 def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -43,14 +46,6 @@ def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
     if is_quantized(cache):
         return dequantize(cache.view(torch.uint8).index_select(0, block_ids), cache.dtype, dtype)
     return cache.index_select(0, block_ids).to(dtype)
-
-
-def read_slots(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[len(slots), num_kv_heads, head_dim] of those slots, in `dtype`."""
-    rows = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, num_kv_heads, row]
-    if is_quantized(cache):
-        return dequantize(rows.view(torch.uint8).index_select(0, slots), cache.dtype, dtype)
-    return rows.index_select(0, slots).to(dtype)
 
 
 def paged_attention(
@@ -64,12 +59,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]."""
-    write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
+    key_rows, value_rows = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
     if is_quantized(k_cache) and metadata.prefills:
         # Attention sees K/V only as the cache holds them, so a prompt scores the same in one
         # chunk, in several, or after a prefix-cache hit (the last two read the cache anyway).
-        key = read_slots(k_cache, metadata.slot_mapping, query.dtype)
-        value = read_slots(v_cache, metadata.slot_mapping, query.dtype)
+        key = dequantize(key_rows, k_cache.dtype, query.dtype)
+        value = dequantize(value_rows, v_cache.dtype, query.dtype)
     output = torch.empty_like(query)
     for batch in metadata.decode_batches:
         output[batch.token_indices] = _decode(query[batch.token_indices], k_cache, v_cache, batch, scale)

@@ -21,6 +21,7 @@ from pagedllm.bench.throughput import git_sha
 from pagedllm.bench.workload import is_conversation_workload, load_conversations, load_requests
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.eval.kv_quant import tokens_until_divergence
 from pagedllm.logger import configure_logging
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import render_chat
@@ -130,7 +131,7 @@ def run_closed_loop(engine: LLMEngine, clients: list[Client], concurrency: int) 
                 continue
             index, turn, client = active.pop(output.request_id)
             metrics = output.metrics
-            reusable = _common_prefix(output.prompt_token_ids, computed_by_client.get(index, []))
+            reusable = tokens_until_divergence(output.prompt_token_ids, computed_by_client.get(index, []))
             computed_by_client[index] = output.prompt_token_ids + output.outputs[0].token_ids[:-1]
             records.append(
                 TurnRecord(
@@ -148,15 +149,6 @@ def run_closed_loop(engine: LLMEngine, clients: list[Client], concurrency: int) 
                 start_next_client()
     computed = engine.get_stats().num_prompt_tokens_computed - computed_before
     return ModeResult(records, time.monotonic() - start, computed)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main(args: argparse.Namespace) -> None:

@@ -108,14 +108,12 @@ class RequestStream:
 class AsyncLLM:
     """LLMEngine for an asyncio server. `start()` from the event loop, `shutdown()` at exit."""
 
-    def __init__(
-        self, engine: LLMEngine, *, max_queue_len: int | None = None, on_step: StepCallback | None = None
-    ) -> None:
+    def __init__(self, engine: LLMEngine, *, max_queue_len: int | None = None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
         self.is_accepting = True
         self.error: BaseException | None = None
-        self._on_step = on_step
+        self._on_step: StepCallback | None = None  # set_step_callback()
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: stop
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # event loop only
         self._pending_outputs: list[RequestOutput] = []  # engine thread only: outputs of aborts
@@ -265,13 +263,7 @@ class AsyncLLM:
                     f"{waiting} requests are waiting and {len(req_ids)} more would pass --max-queue-len "
                     f"{self.max_queue_len}; retry later"
                 )
-        n = params.n
-        children = [
-            params
-            if n == 1
-            else dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
-            for j in range(n)
-        ]
+        children = params.per_sequence()
         added: list[str] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -280,7 +272,7 @@ class AsyncLLM:
                 for j, child in enumerate(children):
                     added.append(
                         engine.add_request(
-                            req_ids[i * n + j],
+                            req_ids[i * params.n + j],
                             prompt,
                             child,
                             arrival_time=arrival_time,

@@ -90,12 +90,7 @@ class LLM:
         owners: dict[str, tuple[int, int]] = {}
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                for j in range(p.n):
-                    child = (
-                        p
-                        if p.n == 1
-                        else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                    )
+                for j, child in enumerate(p.per_sequence()):
                     req_id = engine.add_request(f"{next(self._ids)}", prompt, child)
                     owners[req_id] = (index, j)
         except ValueError:
