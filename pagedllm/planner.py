@@ -161,12 +161,8 @@ def plan_capacity(
     budget = budget or MemoryBudget()
     on_gpu = budget.device_memory_bytes is not None and budget.kv_cache_memory_bytes is None
     model_dtype = dtype if dtype != "auto" else _auto_dtype(on_gpu)
-    model_max = _model_max_len(model_config)
-    if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len: {max_model_len:,} is over the model's context of "
-            f"{model_config.max_position_embeddings:,} tokens"
-        )
+    model_max = model_config.resolve_max_model_len(None)
+    served_len = model_config.resolve_max_model_len(max_model_len)  # ValueError as the engine's
     weights = model_config.num_parameters() * _DTYPE_BYTES[model_dtype]
     kv_bytes = budget.kv_cache_bytes(weights)
 
@@ -183,7 +179,7 @@ def plan_capacity(
         model_config=model_config,
         dtype=model_dtype,
         budget=budget,
-        kv=kv_plan(kv_cache_dtype, min(max_model_len or model_max, model_max)),
+        kv=kv_plan(kv_cache_dtype, served_len),
         what_if=[kv_plan(cache, n) for n in lengths for cache in WHAT_IF_KV_CACHE_DTYPES],
     )
 
@@ -214,9 +210,3 @@ def _auto_dtype(on_gpu: bool) -> str:
     if on_gpu:
         return "bfloat16"  # the engine's choice on every GPU with bfloat16 (Ampere and later)
     return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-
-
-def _model_max_len(config: ModelConfig) -> int:
-    """The engine's default max_model_len: the model's context, capped at its sliding window."""
-    window = config.sliding_window
-    return min(config.max_position_embeddings, window or config.max_position_embeddings)

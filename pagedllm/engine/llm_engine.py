@@ -203,18 +203,12 @@ class LLMEngine:
 
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-        model_max = model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len: {config.max_model_len:,} is over the model's context of {model_max:,} tokens"
-            )
-        max_model_len = config.max_model_len or model_max
-        window = model_config.sliding_window
-        if window is not None and max_model_len > window:
+        max_model_len = model_config.resolve_max_model_len(config.max_model_len)
+        if max_model_len < (config.max_model_len or model_config.max_position_embeddings):
             logger.warning(
-                "This model uses sliding-window attention (%d); max_model_len is capped to it.", window
+                "This model uses sliding-window attention (%d); max_model_len is capped to it.",
+                model_config.sliding_window,
             )
-            max_model_len = window
         return max_model_len
 
     def _log_startup_report(self, load_seconds: float) -> None:

@@ -102,6 +102,16 @@ class ModelConfig:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers * per_layer + embeddings + h
 
+    def resolve_max_model_len(self, requested: int | None) -> int:
+        """The context the engine serves: `requested` or the model's, capped at a sliding window
+        (attention past the window is not implemented). ValueError over the model's context."""
+        model_max = self.max_position_embeddings
+        if requested is not None and requested > model_max:
+            raise ValueError(
+                f"max_model_len: {requested:,} is over the model's context of {model_max:,} tokens"
+            )
+        return min(requested or model_max, self.sliding_window or model_max)
+
 
 def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:
     """transformers 5 keeps rope settings in `rope_parameters`; older configs in
