@@ -115,3 +115,15 @@ def test_plan_errors_say_what_to_change(capsys):
     with pytest.raises(SystemExit):
         main(["plan", *LLAMA_7B, "--device-memory", "12GB"])
     assert "no memory left for the KV cache" in capsys.readouterr().err
+
+
+def test_max_model_len_is_capped_at_a_sliding_window_and_refused_over_the_context():
+    config = json.loads((converted_folder(default_model_path()) / "config.json").read_text())
+    windowed = ModelConfig.from_dict({**config, "max_position_embeddings": 4096, "sliding_window": 512})
+    assert windowed.resolve_max_model_len(None) == 512
+    assert windowed.resolve_max_model_len(1000) == 512
+    assert windowed.resolve_max_model_len(256) == 256
+    with pytest.raises(ValueError, match="max_model_len: 5,000 is over the model's context of 4,096"):
+        windowed.resolve_max_model_len(5000)
+    plan = plan_capacity(windowed, model_name="windowed", max_model_len=1000)
+    assert plan.kv.max_model_len == 512  # the planner serves what the engine would
