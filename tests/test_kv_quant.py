@@ -115,7 +115,7 @@ def _attend_in_steps(cache_dtype: str, q, k, v, steps: str) -> torch.Tensor:
     outputs = []
     for p in range(6, 10):
         mask = (torch.arange(12) <= p)[None, None, None, :]
-        batch = DecodeBatch(torch.tensor([0]), torch.tensor([BLOCK_TABLE]), mask)
+        batch = DecodeBatch(torch.tensor([0]), torch.tensor([BLOCK_TABLE]), torch.tensor([p + 1]), mask)
         outputs.append(run(range(p, p + 1), None, batch))
     return torch.cat(outputs)
 

@@ -24,6 +24,7 @@ class DecodeBatch:
 
     token_indices: torch.Tensor  # [batch] rows of these tokens in the step's flat layout
     block_tables: torch.Tensor  # [batch, max_blocks] (padding points at block 0, masked out)
+    seq_lens: torch.Tensor  # [batch] keys each request attends (its new token included)
     attend_mask: torch.Tensor  # [batch, 1, 1, max_blocks * block_size] True where a key is valid
 
 

@@ -1,7 +1,9 @@
 """Attention over the paged KV cache, in plain PyTorch.
 
 Every layer first writes the step's new K/V into their slots, then reads:
-- decodes, batched: the blocks of all decoding requests are gathered in one index_select
+- decodes on CPU (float32 queries): one call of the C++ kernel in cpu_kernel.py, which reads
+  each request's blocks where they lie, 8-bit rows included;
+- decodes elsewhere, batched: the blocks of all decoding requests are gathered in one index_select
   ([batch, max_blocks * block_size, kv_heads, head_dim]) and attended in one SDPA call,
   padding masked out. The q heads that share a KV head are laid out as that head's query
   rows ([batch, kv_heads, group, head_dim]), which is exact for a single query position
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import cpu_kernel
 from pagedllm.attention.kv_quant import dequantize, is_quantized, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
 
@@ -77,6 +80,18 @@ def paged_attention(
 def _decode(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
+    if cpu_kernel.can_decode(query, k_cache):
+        return cpu_kernel.paged_decode_attention(
+            query, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale
+        )
+    return decode_gathered(query, k_cache, v_cache, batch, scale)
+
+
+def decode_gathered(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """Decode attention in PyTorch ops, on any device: gather the blocks, then one SDPA call.
+    query: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     flat_blocks = batch.block_tables.flatten()

@@ -109,6 +109,7 @@ def _decode_batch(
     return DecodeBatch(
         token_indices=torch.tensor([row_offsets[i] for i in group], dtype=torch.long).to(device),
         block_tables=tables.to(device),
+        seq_lens=group_seq_lens.to(device),
         attend_mask=mask.to(device),
     )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.attention import cpu_kernel
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.model.config import ModelConfig
@@ -56,6 +57,8 @@ class Worker:
             keep_freed_memory()
         self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
         self.packed_copy_bytes = self.model.pack_weights()
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernel.is_built():
+            logger.info("Decode attention: C++ kernel reading the paged KV cache in place")
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take on this device."""

@@ -1,0 +1,64 @@
+"""The CPU decode-attention kernel (csrc/paged_decode_cpu.cpp), compiled on first use.
+
+torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
+CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions); later processes load the cached library, and a changed source is
+rebuilt. `make setup` builds it once, so the first server start does not wait ~20 s.
+Where it cannot be built (no compiler), decode attention keeps the PyTorch path, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_CACHE_DTYPES = {torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+@functools.cache
+def is_built() -> bool:
+    """Build (or load the cached build of) the kernel once per process; False if it cannot be."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name="pagedllm_cpu",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP inline
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except (OSError, RuntimeError) as err:  # no compiler or ninja, or a failed build
+        logger.warning("CPU attention kernel unavailable, decoding with PyTorch ops instead: %s", err)
+        return False
+    return True
+
+
+def can_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention serves this query and cache."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and k_cache.dtype in _CACHE_DTYPES
+        and query.shape[-1] % 8 == 0
+        and is_built()
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens:
+    [num_seqs] tokens to attend each. Returns [num_seqs, num_heads, head_dim]."""
+    return torch.ops.pagedllm.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
