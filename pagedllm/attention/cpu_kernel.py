@@ -30,7 +30,7 @@ def is_built() -> bool:
         cpp_extension.load(
             name="pagedllm_cpu",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP inline
+            extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
