@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.metrics.prometheus import PrometheusMetrics, token_buckets
-from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
+from pagedllm.metrics.stats import MAX_TRACKED_USERS, NO_USER, OTHER_USERS, PrefixCacheStats, SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.request import RequestMetrics
 
@@ -62,6 +62,34 @@ def test_vllm_prefix_names_and_values():
     assert samples[("vllm:request_generation_tokens_sum", label)] == 2
     info = (("block_size", "16"), ("model_name", "m"), ("num_gpu_blocks", "9"))
     assert samples[("vllm:cache_config_info", info)] == 1
+
+
+def test_hit_rates_by_prompt_length_and_by_caller_with_bounded_callers():
+    metrics = PrometheusMetrics("m", max_model_len=100, cache_config={})
+    cache = PrefixCacheStats()
+    cache.record("alice", 600, 512)
+    cache.record(None, 40, 0)
+    metrics.record(SchedulerStats(prefix_cache=cache), [])
+    cache.record("alice", 600, 512)
+    for i in range(MAX_TRACKED_USERS + 5):  # more callers than are tracked by name
+        cache.record(f"user-{i}", 10, 0)
+    metrics.record(SchedulerStats(prefix_cache=cache), [])
+    samples = _samples(metrics)
+
+    def count(kind: str, label: str, value: str) -> float:
+        return samples[
+            (f"pagedllm:prefix_cache_{kind}_by_{label}_total", ((label, value), ("model_name", "m")))
+        ]
+
+    assert (count("queries", "user", "alice"), count("hits", "user", "alice")) == (1200, 1024)
+    assert count("queries", "user", NO_USER) == 40
+    assert len(cache.by_user) == MAX_TRACKED_USERS + 1  # the named callers, then one shared row
+    assert count("queries", "user", OTHER_USERS) == 10 * (MAX_TRACKED_USERS + 5 - (MAX_TRACKED_USERS - 2))
+    assert (count("queries", "prompt_length", "512-2047"), count("hits", "prompt_length", "512-2047")) == (
+        1200,
+        1024,
+    )
+    assert count("queries", "prompt_length", "0-127") == 40 + 10 * (MAX_TRACKED_USERS + 5)
 
 
 def test_token_buckets_are_1_2_5():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.metrics.stats import MAX_TRACKED_USERS, OTHER_USERS, PrefixCacheStats, SchedulerStats
 from pagedllm.outputs import RequestOutput
 
 # vLLM's buckets, so histograms line up with its dashboards.
@@ -76,6 +76,22 @@ class PrometheusMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._hit_breakdowns = {  # label -> (queries, hits), fed from PrefixCacheStats' breakdowns
+            label: tuple(
+                Counter(
+                    name(f"prefix_cache_{kind}_by_{label}"),
+                    f"Prompt tokens {verb} the prefix cache, by {what}.",
+                    ["model_name", label],
+                    registry=self.registry,
+                )
+                for kind, verb in (("queries", "looked up in"), ("hits", "found in"))
+            )
+            for label, what in (
+                ("prompt_length", "prompt-length bucket (tokens)"),
+                ("user", f"caller (`user`; {MAX_TRACKED_USERS} by name, later ones as {OTHER_USERS!r})"),
+            )
+        }
+        self._last_breakdowns: dict[tuple[str, str], tuple[int, int]] = {}
         self._request_success = Counter(
             name("request_success"),
             "Finished requests, by finish reason.",
@@ -124,10 +140,26 @@ class PrometheusMetrics:
         for counter, now, before in zip(self._engine_counters, counts, self._last_counts, strict=True):
             counter.inc(now - before)
         self._last_counts = counts
+        self._record_hit_breakdowns(stats.prefix_cache)
         for output in outputs:
             self._record_tokens(output)
             if output.finished:
                 self._record_finished(output)
+
+    def _record_hit_breakdowns(self, prefix_cache: PrefixCacheStats) -> None:
+        for label, by_value in (
+            ("prompt_length", prefix_cache.by_prompt_length),
+            ("user", prefix_cache.by_user),
+        ):
+            queries, hits = self._hit_breakdowns[label]
+            for value, counts in by_value.items():
+                last_queries, last_hits = self._last_breakdowns.get((label, value), (0, 0))
+                if counts.queries == last_queries:
+                    continue
+                labels = {"model_name": self._model_name, label: value}
+                queries.labels(**labels).inc(counts.queries - last_queries)
+                hits.labels(**labels).inc(counts.hits - last_hits)
+                self._last_breakdowns[(label, value)] = (counts.queries, counts.hits)
 
     def _record_tokens(self, output: RequestOutput) -> None:
         token_time = output.metrics.last_token_time

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 # Prompt-length buckets for the hit rate: where do hits happen (and where don't they)?
 PROMPT_LENGTH_BUCKETS = (128, 512, 2048, 8192)
 
+MAX_TRACKED_USERS = 100
+"""Callers counted by name; callers first seen after that many share the OTHER_USERS row, so a
+long-running server's memory and its /metrics label set stay bounded."""
+NO_USER = "(none)"
+OTHER_USERS = "(other)"
+
 
 def prompt_length_bucket(num_tokens: int) -> str:
     low = 0
@@ -38,7 +44,8 @@ class HitCounts:
 @dataclass
 class PrefixCacheStats(HitCounts):
     """Prefix-cache accounting, in tokens, counted once per request at first admission,
-    overall, by caller (the request's `user`) and by prompt-length bucket.
+    overall, by caller (the request's `user`, at most MAX_TRACKED_USERS names) and by
+    prompt-length bucket; /metrics exports all three.
 
     `hits / queries` is the hit rate users read. A preempted request that finds its own
     blocks again on resume is not a hit: those tokens go to `preempted_recompute_saved`,
@@ -51,7 +58,10 @@ class PrefixCacheStats(HitCounts):
 
     def record(self, user: str | None, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.add(num_prompt_tokens, num_hit_tokens)
-        self.by_user.setdefault(user or "", HitCounts()).add(num_prompt_tokens, num_hit_tokens)
+        caller = user or NO_USER
+        if caller not in self.by_user and len(self.by_user) >= MAX_TRACKED_USERS:
+            caller = OTHER_USERS
+        self.by_user.setdefault(caller, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
         bucket = prompt_length_bucket(num_prompt_tokens)
         self.by_prompt_length.setdefault(bucket, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
 
