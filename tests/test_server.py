@@ -517,6 +517,24 @@ def test_metrics_parse_and_counters_move(client, http, llm):
     ) in after
 
 
+def test_stats_and_dashboard(client, http, llm):
+    before = http.get("/stats").json()
+    client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=3, temperature=0, user="dashboard-user"
+    )
+    after = http.get("/stats").json()
+    assert after["finished"] == before["finished"] + 1
+    assert after["kv_cache"]["num_blocks"] == llm.llm_engine.kv_cache_plan.num_blocks  # same engine settings
+    caller = after["prefix_cache"]["by_user"]["dashboard-user"]
+    assert caller["requests"] == 1 and caller["queries"] > 0
+    for phase in ("queue_time", "prefill_time", "decode_time", "time_to_first_token", "e2e_latency"):
+        q = after["latency_s"][phase]
+        assert 0 <= q["p50"] <= q["p95"] <= q["p99"], phase
+    page = http.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'fetch("stats")' in page.text
+
+
 def test_tokenize_and_detokenize(http, llm):
     tokenizer = llm.get_tokenizer()
     tokens = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()

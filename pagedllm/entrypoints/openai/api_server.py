@@ -2,8 +2,11 @@
 `python -m pagedllm.entrypoints.openai.api_server --model MODEL`, one parser for both.
 
     uvicorn event loop: FastAPI routes -> serving_*.py -> AsyncLLM.generate -> RequestStream
-    engine thread:      builds LLMEngine, then drives LLMEngine.step(); PrometheusMetrics.record
-                        after each turn (all torch work stays on this one thread)
+    engine thread:      builds LLMEngine, then drives LLMEngine.step(); PrometheusMetrics and
+                        LiveStats record after each turn (all torch work stays on this one thread)
+
+Beside the OpenAI routes: /health, /version, /metrics (Prometheus), /stats (LiveStats' JSON)
+and /dashboard (a page that polls /stats).
 
 Start-up: bind the port (fail fast), load the engine (it logs the KV cache report), then log the URL.
 SIGINT/SIGTERM: new requests get 503, in-flight ones get --graceful-shutdown-timeout seconds to
@@ -23,10 +26,12 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from http import HTTPStatus
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -49,12 +54,16 @@ from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from pagedllm.logger import configure_logging
+from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.outputs import RequestOutput
 from pagedllm.worker.worker import resolve_device
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")  # by name: also run as __main__
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+_DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()  # polls GET /stats
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -151,7 +160,12 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLM, models: ServedModels, metrics: PrometheusMetrics, *, api_key: str | None = None
+    engine: AsyncLLM,
+    models: ServedModels,
+    metrics: PrometheusMetrics,
+    live_stats: LiveStats,
+    *,
+    api_key: str | None = None,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -200,6 +214,14 @@ def build_app(
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return live_stats.snapshot()
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(_DASHBOARD_HTML)
 
     return app
 
@@ -291,8 +313,14 @@ def run_server(args: argparse.Namespace) -> None:
             "num_gpu_blocks": str(llm_engine.kv_cache_plan.num_blocks),
         },
     )
-    engine.set_step_callback(metrics.record)
-    app = build_app(engine, models, metrics, api_key=args.api_key)
+    live_stats = LiveStats(models.names[0], llm_engine.kv_cache_plan.num_blocks, llm_engine.config.block_size)
+
+    def on_step(stats: SchedulerStats, outputs: list[RequestOutput]) -> None:
+        metrics.record(stats, outputs)
+        live_stats.record(stats, outputs)
+
+    engine.set_step_callback(on_step)
+    app = build_app(engine, models, metrics, live_stats, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     uvicorn_config = uvicorn.Config(
