@@ -36,7 +36,7 @@ class PrefillSpan:
     token_end: int
     num_context_tokens: int  # tokens already in the cache before this chunk
     block_ids: torch.Tensor | None  # [num_blocks] to read the context; None without context
-    attend_mask: torch.Tensor | None  # [chunk, context + chunk] causal mask with context
+    attend_mask: torch.Tensor | None  # [chunk, context + chunk] causal with context: 0 or -inf
 
 
 @dataclass

@@ -35,7 +35,10 @@ class ModelInput:
     requests asking for prompt_logprobs."""
 
 
-def build_model_input(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInput:
+def build_model_input(
+    scheduled: list[ScheduledRequest], block_size: int, device: torch.device, dtype: torch.dtype
+) -> ModelInput:
+    """dtype: the model's, for the additive attention masks."""
     num_reqs = len(scheduled)
     counts = [s.num_scheduled_tokens for s in scheduled]
     starts = [s.num_computed_tokens for s in scheduled]
@@ -61,7 +64,7 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, device
         for group in _group_by_length(decode_reqs, seq_lens)
     ]
     prefills = [
-        _prefill_span(i, row_offset_list[i], counts[i], starts[i], block_tables, block_size, device)
+        _prefill_span(i, row_offset_list[i], counts[i], starts[i], block_tables, block_size, device, dtype)
         for i in range(num_reqs)
         if counts[i] > 1
     ]
@@ -122,13 +125,17 @@ def _prefill_span(
     block_tables: torch.Tensor,
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> PrefillSpan:
     if start == 0:
         return PrefillSpan(row_offset, row_offset + count, 0, None, None)
     seq_len = start + count
     num_blocks = -(-seq_len // block_size)
     query_positions = torch.arange(start, seq_len)
-    mask = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # [chunk, seq_len]
+    visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # [chunk, seq_len]
+    # additive, in the model's dtype: SDPA adds it as it is, where a boolean mask would be
+    # converted again in every layer
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
     return PrefillSpan(
         row_offset, row_offset + count, start, block_tables[req, :num_blocks].to(device), mask.to(device)
     )

@@ -34,7 +34,9 @@ class ModelRunner:
         self.sampler.forget(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        model_input = build_model_input(scheduler_output.scheduled, self.block_size, self.device)
+        model_input = build_model_input(
+            scheduler_output.scheduled, self.block_size, self.device, self.model.embed_tokens.weight.dtype
+        )
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
         )
