@@ -56,3 +56,15 @@ def test_kernel_equals_gather_and_sdpa(cache_dtype, seed, num_seqs, group, head_
     expected = decode_gathered(query, k, v, batch, scale)
     got = cpu_kernel.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, scale)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_reads_outside_the_cache_are_refused():
+    query, k, v, batch = _random_case(0, "float32", num_seqs=2, group=3, head_dim=8, block_size=4)
+    lens, tables = batch.seq_lens.clone(), batch.block_tables.clone()
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * 4 + 1
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_kernel.paged_decode_attention(query, k, v, tables, too_long, 0.1)
+    tables[1, 0] = k.shape[0]
+    with pytest.raises(RuntimeError, match="not a block"):
+        cpu_kernel.paged_decode_attention(query, k, v, tables, lens, 0.1)

@@ -277,7 +277,25 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(head_dim % kLanes == 0 && num_heads % num_kv_heads == 0, "head_dim % 8 and num_heads % num_kv_heads");
+  const bool quantized = k_cache.scalar_type() != at::kFloat;
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == head_dim + (quantized ? 2 : 0),
+              "k_cache rows: head_dim values, plus 2 scale bytes when 8-bit");
   const at::Tensor q = query.contiguous(), tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && lens.numel() == num_seqs,
+              "block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs]");
+  // Every row read must lie inside the cache: lengths within the table, block ids within the cache.
+  const int64_t max_len = tables.size(1) * k_cache.size(1), num_blocks = k_cache.size(0);
+  const int64_t* lens_data = lens.data_ptr<int64_t>();
+  const int64_t* tables_data = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(lens_data[i] > 0 && lens_data[i] <= max_len, "seq_lens[", i, "] = ", lens_data[i],
+                " is outside 1..", max_len);
+    for (int64_t b = 0; b * k_cache.size(1) < lens_data[i]; ++b) {
+      const int64_t block_id = tables_data[i * tables.size(1) + b];
+      TORCH_CHECK(block_id >= 0 && block_id < num_blocks, "block_tables[", i, "][", b, "] = ", block_id,
+                  " is not a block of the cache");
+    }
+  }
   at::Tensor out = at::empty_like(q);
   const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
   auto run = [&](auto row_kind) {
