@@ -13,7 +13,6 @@ folder gives its config.json, a GGUF its metadata, or the shape is given by numb
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import gguf_hf_config
-from pagedllm.model.loader import default_model_path, resolve_dtype
+from pagedllm.model.loader import locate_model, resolve_dtype
 from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
 
 WHAT_IF_MAX_MODEL_LENS = (1024, 2048, 4096)  # and the model's own maximum
@@ -31,16 +30,14 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def read_model_config(model: str | None) -> ModelConfig:
     """The config of an HF folder or a GGUF file (None: the default model), reading no weights."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return ModelConfig.from_folder(path)
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
-    if len(ggufs) == 1 and ggufs[0].is_file() and ggufs[0].suffix == ".gguf":
-        return ModelConfig.from_dict(gguf_hf_config(ggufs[0]))
-    raise FileNotFoundError(
-        f"model {model!r} not found: give a folder with config.json or a .gguf file, "
-        "or describe the model by numbers (--layers, --hidden-size, ...)"
-    )
+    try:
+        path = locate_model(model)
+    except FileNotFoundError as error:
+        hint = "or describe the model by numbers (--layers, --hidden-size, ...)"
+        raise FileNotFoundError(f"{error}; {hint}") from None
+    if path.suffix == ".gguf":
+        return ModelConfig.from_dict(gguf_hf_config(path))
+    return ModelConfig.from_folder(path)
 
 
 def config_from_numbers(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import is_conversation_workload, load_conversations, load_requests
+from pagedllm.bench.workload import Conversation, load_workload
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.kv_quant import tokens_until_divergence
@@ -91,12 +91,12 @@ def _conversation_client(tokenizer, system: str, turns: list[str], max_tokens: i
 
 
 def make_clients(path: str, tokenizer, limit: int | None) -> list[Client]:
-    if is_conversation_workload(path):
-        return [
-            _conversation_client(tokenizer, c.system, c.turns, c.max_tokens)
-            for c in load_conversations(path, limit)
-        ]
-    return [_single_turn_client(r.prompt, r.max_tokens, r.ignore_eos) for r in load_requests(path, limit)]
+    return [
+        _conversation_client(tokenizer, item.system, item.turns, item.max_tokens)
+        if isinstance(item, Conversation)
+        else _single_turn_client(item.prompt, item.max_tokens, item.ignore_eos)
+        for item in load_workload(path, limit)
+    ]
 
 
 def run_closed_loop(engine: LLMEngine, clients: list[Client], concurrency: int) -> ModeResult:

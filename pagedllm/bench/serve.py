@@ -27,7 +27,7 @@ import numpy as np
 
 from pagedllm.bench.prefix import make_clients, run_closed_loop
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import is_conversation_workload, load_conversations, load_requests
+from pagedllm.bench.workload import Conversation, load_workload
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
@@ -153,10 +153,10 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[Req
 
 def _clients(path: str, limit: int | None, model: str) -> Iterator[HTTPClient]:
     """One client per workload line: a conversation's turns run one after the other."""
-    if is_conversation_workload(path):
-        for conversation in load_conversations(path, limit):
+    for item in load_workload(path, limit):
+        if isinstance(item, Conversation):
 
-            async def run(client: httpx.AsyncClient, c=conversation) -> list[RequestRecord]:
+            async def run(client: httpx.AsyncClient, c: Conversation = item) -> list[RequestRecord]:
                 messages = [{"role": "system", "content": c.system}] if c.system else []
                 records = []
                 for turn in c.turns:
@@ -169,20 +169,18 @@ def _clients(path: str, limit: int | None, model: str) -> Iterator[HTTPClient]:
                     messages.append({"role": "assistant", "content": answer})
                 return records
 
-            yield run
-    else:
-        for request in load_requests(path, limit):
+        else:
             body = {
                 "model": model,
-                "prompt": request.prompt,
-                "max_tokens": request.max_tokens,
-                "ignore_eos": request.ignore_eos,
+                "prompt": item.prompt,
+                "max_tokens": item.max_tokens,
+                "ignore_eos": item.ignore_eos,
             }
 
-            async def run(client: httpx.AsyncClient, b=body) -> list[RequestRecord]:
+            async def run(client: httpx.AsyncClient, b: dict = body) -> list[RequestRecord]:
                 return [(await _stream(client, "/v1/completions", b))[0]]
 
-            yield run
+        yield run
 
 
 async def run_server_benchmark(args: argparse.Namespace) -> tuple[ServeResult, str]:

@@ -26,28 +26,26 @@ class Conversation:
     max_tokens: int
 
 
-def is_conversation_workload(path: str | Path) -> bool:
+def load_workload(path: str | Path, limit: int | None = None) -> list[BenchRequest] | list[Conversation]:
+    """The first `limit` lines of either kind of set, read once; a `turns` field marks conversations."""
     rows = _read_jsonl(path)
-    return bool(rows) and "turns" in rows[0]
+    rows = rows[:limit] if limit else rows
+    if rows and "turns" in rows[0]:
+        return [
+            Conversation(
+                int(r["conversation_id"]), r.get("system", ""), list(r["turns"]), int(r["max_tokens"])
+            )
+            for r in rows
+        ]
+    return [BenchRequest(r["prompt"], int(r["max_tokens"]), bool(r.get("ignore_eos", True))) for r in rows]
 
 
 def load_requests(path: str | Path, limit: int | None = None) -> list[BenchRequest]:
-    rows = _read_jsonl(path)
-    if rows and "turns" in rows[0]:
+    """A single-turn set (benchmarks that send independent requests)."""
+    workload = load_workload(path, limit)
+    if workload and isinstance(workload[0], Conversation):
         raise ValueError(f"{path} holds conversations; use a single-turn workload here")
-    requests = [
-        BenchRequest(r["prompt"], int(r["max_tokens"]), bool(r.get("ignore_eos", True))) for r in rows
-    ]
-    return requests[:limit] if limit else requests
-
-
-def load_conversations(path: str | Path, limit: int | None = None) -> list[Conversation]:
-    rows = _read_jsonl(path)
-    conversations = [
-        Conversation(int(r["conversation_id"]), r.get("system", ""), list(r["turns"]), int(r["max_tokens"]))
-        for r in rows
-    ]
-    return conversations[:limit] if limit else conversations
+    return workload  # type: ignore[return-value]
 
 
 def _read_jsonl(path: str | Path) -> list[dict]:

@@ -36,21 +36,25 @@ def default_model_path() -> Path:
     )
 
 
-def resolve_model_folder(model: str | None) -> Path:
-    """The HF-format folder to load for `model` (None: the default), converting GGUF once."""
+def locate_model(model: str | None) -> Path:
+    """Where `model` (None: the default) lives: an HF folder with config.json, or a .gguf file
+    (given itself, or the only one in a folder). The one place these rules live."""
     path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_folder(path)
     if path.is_dir() and (path / "config.json").exists():
         return path
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return converted_folder(ggufs[0])
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
+    if len(ggufs) == 1 and ggufs[0].is_file() and ggufs[0].suffix == ".gguf":
+        return ggufs[0]
     raise FileNotFoundError(
         f"model {model!r} not found: give a folder with config.json and *.safetensors, or a .gguf file "
         "(pagedllm loads from disk only and never downloads)"
     )
+
+
+def resolve_model_folder(model: str | None) -> Path:
+    """The HF-format folder to load for `model` (None: the default), converting GGUF once."""
+    path = locate_model(model)
+    return converted_folder(path) if path.suffix == ".gguf" else path
 
 
 def model_display_name(model: str | None) -> str:

@@ -58,9 +58,14 @@ class KVCacheSpec:
         return _ELEMENT_BYTES[self.cache_dtype]
 
     @property
+    def scale_bytes_per_row(self) -> int:
+        """Scale bytes packed after each (token, KV head) row: 0 for float caches."""
+        return SCALE_BYTES if self.is_quantized else 0
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one token's K (or V) for one KV head, its scale included."""
-        return self.head_dim * self.element_bytes + (SCALE_BYTES if self.is_quantized else 0)
+        return self.head_dim * self.element_bytes + self.scale_bytes_per_row
 
     @property
     def bytes_per_token(self) -> int:
@@ -69,7 +74,7 @@ class KVCacheSpec:
     @property
     def scale_bytes_per_token(self) -> int:
         """The scales' share of bytes_per_token (0 for float caches)."""
-        return 2 * self.num_layers * self.num_kv_heads * (SCALE_BYTES if self.is_quantized else 0)
+        return 2 * self.num_layers * self.num_kv_heads * self.scale_bytes_per_row
 
     @property
     def bytes_per_block(self) -> int:
@@ -90,10 +95,8 @@ def allocate_kv_caches(
     tensor dtype, int8 or float8, says how to read it). Zeroed, not empty: padding slots are
     read (then masked) by batched attention, and masked garbage that happens to be NaN would
     still poison the sum; zero bytes read back as 0.0 in every format."""
-    if spec.is_quantized:
-        dtype, row = KV_CACHE_DTYPES[spec.cache_dtype], spec.head_dim + SCALE_BYTES
-    else:
-        dtype, row = getattr(torch, spec.cache_dtype), spec.head_dim
+    dtype = KV_CACHE_DTYPES[spec.cache_dtype] if spec.is_quantized else getattr(torch, spec.cache_dtype)
+    row = spec.head_dim + spec.scale_bytes_per_row  # elements: one byte each when quantized
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, row)
     storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
