@@ -78,7 +78,7 @@ def test_hit_rates_by_prompt_length_and_by_caller_with_bounded_callers():
 
     def count(kind: str, label: str, value: str) -> float:
         return samples[
-            (f"pagedllm:prefix_cache_{kind}_by_{label}_total", ((label, value), ("model_name", "m")))
+            (f"pagedllm:prefix_cache_{kind}_by_{label}_total", (("model_name", "m"), (label, value)))
         ]
 
     assert (count("queries", "user", "alice"), count("hits", "user", "alice")) == (1200, 1024)

@@ -93,12 +93,21 @@ def _measure(engine: LLMEngine, requests: list[BenchRequest], texts: list[str], 
         figures["perplexity"], figures["num_scored_tokens"], figures["all_finite"] = perplexity(engine, texts)
     run_generation(engine, [requests[0].prompt], SamplingParams(temperature=0.0, max_tokens=4))
     engine.reset_prefix_cache()  # the warm-up must not give the timed run a prefix hit
+    before = engine.get_stats()
+    computed_before, saved_before = (
+        before.num_prompt_tokens_computed,
+        before.prefix_cache.preempted_recompute_saved,
+    )
     result: EngineResult = run_engine(engine, requests)
+    after = engine.get_stats()
     figures.update(
         output_throughput=result.output_throughput,
         elapsed_s=result.elapsed_s,
         num_preemptions=result.num_preemptions,
         ttft_p50_s=result.ttft_p50_s,
+        prompt_tokens_computed=after.num_prompt_tokens_computed - computed_before,
+        # a preempted request's own blocks, still cached when it resumed: recompute it was spared
+        recompute_saved_tokens=after.prefix_cache.preempted_recompute_saved - saved_before,
     )
     return figures
 
@@ -154,5 +163,8 @@ def _throughput_line(label: str, budget: int, base: dict, quant: dict) -> str:
     return (
         f"output tokens/s, {label} ({budget / 2**30:.3f} GiB): {base['output_throughput']:.1f} vs "
         f"{quant['output_throughput']:.1f} = {quant['output_throughput'] / base['output_throughput']:.2f}x; "
-        f"preemptions {base['num_preemptions']} vs {quant['num_preemptions']}"
+        f"preemptions {base['num_preemptions']} vs {quant['num_preemptions']}; prompt tokens computed "
+        f"{base['prompt_tokens_computed']:,} vs {quant['prompt_tokens_computed']:,} (found again in the "
+        f"prefix cache after preemption: {base['recompute_saved_tokens']:,} vs "
+        f"{quant['recompute_saved_tokens']:,})"
     )
