@@ -68,3 +68,21 @@ def test_reads_outside_the_cache_are_refused():
     tables[1, 0] = k.shape[0]
     with pytest.raises(RuntimeError, match="not a block"):
         cpu_kernel.paged_decode_attention(query, k, v, tables, lens, 0.1)
+
+
+def test_nan_in_a_score_reaches_the_output_as_sdpa_gives_it():
+    query, k, v, batch = _random_case(1, "float32", num_seqs=2, group=3, head_dim=8, block_size=4)
+    k[batch.block_tables[0, 0], 0, 1] = float("nan")  # request 0, token 0, KV head 1
+    expected = decode_gathered(query, k, v, batch, 0.3)
+    got = cpu_kernel.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, 0.3)
+    assert got[0, 3:].isnan().all() and expected[0, 3:].isnan().all()  # the heads reading KV head 1
+    torch.testing.assert_close(got[0, :3], expected[0, :3])
+    torch.testing.assert_close(got[1], expected[1])
+
+
+def test_caches_of_different_dtypes_are_refused():
+    query, k, v, batch = _random_case(2, "int8", num_seqs=1, group=1, head_dim=8, block_size=4)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_kernel.paged_decode_attention(
+            query, k, v.view(torch.uint8), batch.block_tables, batch.seq_lens, 0.1
+        )

@@ -532,7 +532,8 @@ def test_stats_and_dashboard(client, http, llm):
         assert 0 <= q["p50"] <= q["p95"] <= q["p99"], phase
     page = http.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert 'fetch("stats")' in page.text
+    assert 'fetch("stats"' in page.text
+    assert httpx.get(f"{server.url}/stats").status_code == 401  # it names callers: guarded like /v1
 
 
 def test_tokenize_and_detokenize(http, llm):

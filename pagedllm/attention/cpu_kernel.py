@@ -1,16 +1,19 @@
 """The CPU decode-attention kernel (csrc/paged_decode_cpu.cpp), compiled on first use.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
-CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions); later processes load the cached library, and a changed source is
-rebuilt. `make setup` builds it once, so the first server start does not wait ~20 s.
-Where it cannot be built (no compiler), decode attention keeps the PyTorch path, with a warning.
+CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
+extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions); later processes
+load the cached library, and a changed source is rebuilt. `make setup` builds it once, so the
+first server start does not wait ~25 s. Where it cannot be built (no compiler), decode
+attention keeps the PyTorch path, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import platform
 from pathlib import Path
 
 import torch
@@ -21,6 +24,18 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _CACHE_DTYPES = {torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2}
 
 
+def _cpu_tag() -> str:
+    """Names the build after this CPU's instruction sets: a -march=native build cached on another
+    machine (a shared home, a copied image) must not be loaded here, where it could die on an
+    illegal instruction."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        features = next(line for line in lines if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        features = f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha256(features.encode()).hexdigest()[:12]
+
+
 @functools.cache
 def is_built() -> bool:
     """Build (or load the cached build of) the kernel once per process; False if it cannot be."""
@@ -28,7 +43,7 @@ def is_built() -> bool:
 
     try:
         cpp_extension.load(
-            name="pagedllm_cpu",
+            name=f"pagedllm_cpu_{_cpu_tag()}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

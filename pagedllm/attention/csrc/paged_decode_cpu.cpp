@@ -25,9 +25,9 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -71,18 +71,30 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+  return p * c10::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
 }
 
-// Softmax numerators in place, exp(x - max(x)); returns their sum.
+// Softmax numerators in place, exp(x - max(x)); returns their sum, or NaN when a score is
+// NaN or infinite (as SDPA's softmax would give), with the numerators zeroed.
 inline float softmax_numerators(float* x, int64_t n) {
   const int64_t whole = n - n % kLanes;
-  float lanes[kLanes];
+  float lanes[kLanes], finite_check[kLanes] = {};  // x - x: 0 for finite x, NaN otherwise
   std::fill(lanes, lanes + kLanes, x[0]);
   for (int64_t t = 0; t < whole; t += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
-  float max_value = *std::max_element(lanes, lanes + kLanes);
-  for (int64_t t = whole; t < n; ++t) max_value = std::max(max_value, x[t]);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
+      finite_check[j] += x[t + j] - x[t + j];
+    }
+  float max_value = *std::max_element(lanes, lanes + kLanes), check = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) check += finite_check[j];
+  for (int64_t t = whole; t < n; ++t) {
+    max_value = std::max(max_value, x[t]);
+    check += x[t] - x[t];
+  }
+  if (!(check == 0.f)) {
+    std::fill(x, x + n, 0.f);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   std::fill(lanes, lanes + kLanes, 0.f);
   for (int64_t t = 0; t < whole; t += kLanes)
     for (int64_t j = 0; j < kLanes; ++j) lanes[j] += (x[t + j] = exp_nonpositive(x[t + j] - max_value));
@@ -274,11 +286,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               "k_cache and v_cache: contiguous [num_blocks, block_size, num_kv_heads, row], same shape");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens: int64");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache: [num_blocks, block_size, num_kv_heads, row] of one dtype");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(head_dim % kLanes == 0 && num_heads % num_kv_heads == 0, "head_dim % 8 and num_heads % num_kv_heads");
+  TORCH_CHECK(num_kv_heads > 0 && head_dim % kLanes == 0 && num_heads % num_kv_heads == 0,
+              "head_dim % 8 and num_heads % num_kv_heads");
   const bool quantized = k_cache.scalar_type() != at::kFloat;
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == head_dim + (quantized ? 2 : 0),
+  TORCH_CHECK(k_cache.size(3) == head_dim + (quantized ? 2 : 0),
               "k_cache rows: head_dim values, plus 2 scale bytes when 8-bit");
   const at::Tensor q = query.contiguous(), tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && lens.numel() == num_seqs,

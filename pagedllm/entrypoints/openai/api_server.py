@@ -139,14 +139,15 @@ def check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 class APIKeyMiddleware:
-    """401 for a /v1 call without `Authorization: Bearer <key>`, before the body is read."""
+    """401 for a /v1 or /stats call without `Authorization: Bearer <key>`, before the body is
+    read. /stats names callers (their `user` strings), so it is guarded like the API."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/stats")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(
