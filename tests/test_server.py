@@ -517,7 +517,7 @@ def test_metrics_parse_and_counters_move(client, http, llm):
     ) in after
 
 
-def test_stats_and_dashboard(client, http, llm):
+def test_stats_and_dashboard(server, client, http, llm):
     before = http.get("/stats").json()
     client.completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=3, temperature=0, user="dashboard-user"
