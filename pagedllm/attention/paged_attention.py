@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, in plain PyTorch.
+"""Attention over the paged KV cache: PyTorch ops, and the C++ decode kernel on CPU.
 
 Every layer first writes the step's new K/V into their slots, then reads:
 - decodes on CPU (float32 queries): one call of the C++ kernel in cpu_kernel.py, which reads

@@ -12,7 +12,6 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from dataclasses import dataclass
 
 from pagedllm.metrics.stats import HitCounts, SchedulerStats
 from pagedllm.outputs import RequestOutput
@@ -22,14 +21,6 @@ TOP_USERS = 10  # callers listed, by prompt tokens looked up
 _PHASES = ("queue_time", "prefill_time", "decode_time", "time_to_first_token", "e2e_latency")
 
 
-@dataclass(frozen=True)
-class FinishedRequest:
-    phases: dict[str, float | None]  # _PHASES -> seconds
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-
-
 class LiveStats:
     def __init__(self, model_name: str, num_blocks: int, block_size: int) -> None:
         self.model_name = model_name
@@ -37,29 +28,30 @@ class LiveStats:
         self.block_size = block_size
         self._lock = threading.Lock()
         self._stats = SchedulerStats()
-        self._prefix_cache: dict = {**_hits(HitCounts()), "by_prompt_length": {}, "by_user": {}}
-        self._finished: deque[FinishedRequest] = deque(maxlen=WINDOW)
+        self._prefix_cache: dict = {
+            **_hits(HitCounts()),
+            "preempted_recompute_saved": 0,
+            "by_prompt_length": {},
+            "by_user": {},
+        }
+        self._finished: deque[dict[str, float | None]] = deque(maxlen=WINDOW)  # _PHASES -> seconds
         self._num_finished = 0
 
     def record(self, stats: SchedulerStats, outputs: list[RequestOutput]) -> None:
-        finished = [
-            FinishedRequest(
-                {phase: getattr(o.metrics, phase) for phase in _PHASES},
-                len(o.prompt_token_ids),
-                o.num_cached_tokens,
-                len(o.outputs[0].token_ids),
-            )
-            for o in outputs
-            if o.finished
-        ]
+        finished = [{phase: getattr(o.metrics, phase) for phase in _PHASES} for o in outputs if o.finished]
         cache = stats.prefix_cache  # mutated by the scheduler: read it here, on the engine thread
-        top_users = sorted(cache.by_user.items(), key=lambda item: -item[1].queries)[:TOP_USERS]
-        prefix_cache = {
-            **_hits(cache),
-            "preempted_recompute_saved": cache.preempted_recompute_saved,
-            "by_prompt_length": {bucket: _hits(c) for bucket, c in sorted(cache.by_prompt_length.items())},
-            "by_user": {user: _hits(c) for user, c in top_users},
-        }
+        prefix_cache = self._prefix_cache
+        if (cache.queries, cache.preempted_recompute_saved) != (
+            prefix_cache["queries"],
+            prefix_cache["preempted_recompute_saved"],
+        ):  # rebuilt only on steps that admitted or resumed a request
+            top_users = sorted(cache.by_user.items(), key=lambda item: -item[1].queries)[:TOP_USERS]
+            prefix_cache = {
+                **_hits(cache),
+                "preempted_recompute_saved": cache.preempted_recompute_saved,
+                "by_prompt_length": {b: _hits(c) for b, c in sorted(cache.by_prompt_length.items())},
+                "by_user": {user: _hits(c) for user, c in top_users},
+            }
         with self._lock:
             self._stats, self._prefix_cache = stats, prefix_cache
             self._finished.extend(finished)
@@ -87,8 +79,7 @@ class LiveStats:
             "generation_tokens": stats.num_generation_tokens,
             "prefix_cache": prefix_cache,
             "latency_s": {
-                phase: _percentiles([r.phases[phase] for r in window if r.phases[phase] is not None])
-                for phase in _PHASES
+                phase: _percentiles([r[phase] for r in window if r[phase] is not None]) for phase in _PHASES
             },
             "window": len(window),
         }

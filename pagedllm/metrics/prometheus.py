@@ -139,8 +139,9 @@ class PrometheusMetrics:
         counts = _engine_counts(stats)
         for counter, now, before in zip(self._engine_counters, counts, self._last_counts, strict=True):
             counter.inc(now - before)
+        if counts[0] != self._last_counts[0]:  # prompt tokens were looked up: some breakdown moved
+            self._record_hit_breakdowns(stats.prefix_cache)
         self._last_counts = counts
-        self._record_hit_breakdowns(stats.prefix_cache)
         for output in outputs:
             self._record_tokens(output)
             if output.finished:
