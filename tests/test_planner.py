@@ -87,8 +87,11 @@ def test_gguf_metadata_gives_the_converted_config(tmp_path, monkeypatch):
 
 
 def test_python_m_pagedllm_plan_prints_the_report_and_what_if_table():
+    # --dtype pinned: `auto` is bfloat16 on CPUs with bfloat16 hardware, float32 elsewhere
     argv = [
         "plan",
+        "--dtype",
+        "float32",
         "--kv-cache-dtype",
         "int8",
         "--kv-cache-memory-bytes",
