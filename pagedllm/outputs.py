@@ -23,7 +23,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     """Per generated token: {token_id: Logprob} for the sampled token and the top-k."""
     finish_reason: str | None = None
-    """stop | length | abort, None while running."""
+    """stop | length | abort | error, None while running."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the request, if one did."""
 
@@ -44,3 +44,5 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache (0 without a hit)."""
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """With SamplingParams.prompt_logprobs: per prompt token (None for the first)."""
+    error: str | None = None
+    """Why the request failed, when its finish_reason is "error"."""

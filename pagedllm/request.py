@@ -26,6 +26,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH_CAPPED = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+    """This request failed (e.g. in its sampling or detokenization); the others went on."""
 
     @property
     def is_finished(self) -> bool:
@@ -33,11 +35,12 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's words: stop | length | abort; None while unfinished."""
+        """OpenAI's words: stop | length, and vLLM's abort | error; None while unfinished."""
         return self.value if self.is_finished else None
 
 

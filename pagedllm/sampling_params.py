@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pagedllm import limits
+
 
 @dataclass
 class SamplingParams:
@@ -17,6 +19,8 @@ class SamplingParams:
     `prompt_logprobs=k` does the same for every prompt token after the first (teacher-forced
     scoring, e.g. perplexity); such a request never takes prefix-cache hits, since every
     prompt position must go through the model.
+    `logit_bias` adds {token_id: bias} to the logits before sampling (OpenAI's field, -100..100).
+    Sizes are bounded by pagedllm.limits; token ids are checked against the vocabulary by the engine.
     """
 
     n: int = 1
@@ -37,6 +41,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,13 +58,20 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name}: {message}, got {getattr(self, name)!r}")
 
-        need(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            limits.check_finite(name, getattr(self, name))
+        limits.check_finite("repetition_penalty", self.repetition_penalty)
+        need(
+            isinstance(self.n, int) and 1 <= self.n <= limits.MAX_N,
+            "n",
+            f"must be an integer in [1, {limits.MAX_N}]",
+        )
         need(self.temperature >= 0.0, "temperature", "must be >= 0")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         need(
-            self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+            self.top_k is None or (isinstance(self.top_k, int) and 1 <= self.top_k <= limits.INT32_MAX),
             "top_k",
-            "must be >= 1 (or 0 / -1 / None to disable)",
+            f"must be in [1, {limits.INT32_MAX}] (or 0 / -1 / None to disable)",
         )
         need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         need(
@@ -88,12 +100,41 @@ class SamplingParams:
             "must be an integer >= 0",
         )
         need(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            len(self.stop_token_ids) <= limits.MAX_STOP_TOKEN_IDS
+            and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
-            "must be non-negative token ids",
+            f"must be at most {limits.MAX_STOP_TOKEN_IDS} non-negative token ids",
         )
-        need(all(isinstance(s, str) for s in self.stop or []), "stop", "must be strings")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        need(
+            len(self.stop or []) <= limits.MAX_STOP_STRINGS,
+            "stop",
+            f"takes at most {limits.MAX_STOP_STRINGS} strings",
+        )
+        for stop in self.stop or []:
+            limits.check_text("stop", stop, limits.MAX_STOP_STRING_CHARS)
+        low, high = limits.INT64_RANGE
+        need(
+            self.seed is None
+            or (isinstance(self.seed, int) and low <= self.seed and self.seed + self.n - 1 <= high),
+            "seed",
+            f"must be an integer in [{low}, {high}] (seed + n - 1 too)",
+        )
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if len(self.logit_bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: takes at most {limits.MAX_LOGIT_BIAS_ENTRIES} tokens")
+        low, high = limits.LOGIT_BIAS_RANGE
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias: {token_id!r} is not a token id")
+            limits.check_finite("logit_bias", bias)
+            if not low <= bias <= high:
+                raise ValueError(
+                    f"logit_bias: the bias of token {token_id} must be in [{low:g}, {high:g}], got {bias}"
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -1,30 +1,59 @@
-"""Tokenizer loading (transformers' AutoTokenizer, local files only) and prompt rendering."""
+"""Tokenizer loading (transformers' AutoTokenizer, local files only) and chat prompts.
+
+`chat_prompt` is the one place a conversation becomes a prompt (text and token ids), for the
+offline API, the server and the benchmarks alike.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedllm import chat_template
 
-def load_tokenizer(folder: str | Path, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+
+def load_tokenizer(folder: str | Path, chat_template_text: str | None = None) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{folder}: pagedllm needs a fast (tokenizers-backed) tokenizer")
-    if chat_template is not None:
-        path = Path(chat_template)
-        tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
+    if chat_template_text is not None:
+        path = Path(chat_template_text)
+        tokenizer.chat_template = path.read_text() if path.is_file() else chat_template_text
     return tokenizer
 
 
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
-    **template_kwargs,
+    *,
+    template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    time_budget: float | None = None,
 ) -> str:
-    if not tokenizer.chat_template:
-        raise ValueError("this model's tokenizer has no chat template; pass --chat-template")
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    """The conversation as text, through `template` or else the tokenizer's chat template."""
+    template = template or tokenizer.chat_template
+    if not template:
+        raise ValueError("messages: this model's tokenizer has no chat template; pass --chat-template")
+    return chat_template.render(
+        template,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        special_tokens=tokenizer.special_tokens_map,
+        template_kwargs=template_kwargs,
+        time_budget=time_budget,
     )
+
+
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **render_kwargs: Any,
+) -> dict[str, Any]:
+    """{"prompt": text, "prompt_token_ids": ids} for a conversation. The rendered text already
+    holds the special tokens, so it is tokenized without adding more."""
+    text = render_chat(tokenizer, messages, add_generation_prompt, **render_kwargs)
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pagedllm.engine.async_engine import AsyncLLM, EngineUnavailableError, QueueFullError
+from pagedllm.engine.async_engine import AsyncLLM, EngineUnavailableError, QueueFullError, RequestFailedError
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.request import RequestMetrics
@@ -20,6 +20,7 @@ class ScriptedEngine:
     tokenizer = None
 
     def __init__(self, fail_on_step: int | None = None, length: int = 3) -> None:
+        """A prompt "fail" makes its request fail alone at its second token."""
         self.length = length
         self.live: dict[str, tuple[str, SamplingParams, int]] = {}
         self.aborted: list[str] = []
@@ -50,15 +51,21 @@ class ScriptedEngine:
         for req_id, (prompt, params, num) in list(self.live.items()):
             num += 1
             self.live[req_id] = (prompt, params, num)
+            if prompt == "fail" and num == 2:
+                outputs.append(self._output(req_id, num, "error", error="RuntimeError: injected"))
+                del self.live[req_id]
+                continue
             outputs.append(self._output(req_id, num, "length" if num == self.length else None))
             if num == self.length:
                 del self.live[req_id]
         return outputs
 
     @staticmethod
-    def _output(req_id: str, num: int, finish_reason: str | None) -> RequestOutput:
+    def _output(req_id: str, num: int, finish_reason: str | None, error: str | None = None) -> RequestOutput:
         completion = CompletionOutput(0, "a" * num, [0] * num, finish_reason=finish_reason)
-        return RequestOutput(req_id, None, [1], [completion], finish_reason is not None, RequestMetrics(0.0))
+        return RequestOutput(
+            req_id, None, [1], [completion], finish_reason is not None, RequestMetrics(0.0), error=error
+        )
 
 
 def run(engine: ScriptedEngine, body, **kwargs):
@@ -86,7 +93,7 @@ def test_fan_out_streams_every_choice_to_the_end():
 
 
 def test_a_bad_prompt_adds_nothing_and_a_full_queue_refuses():
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(length=10**9)
     seeds = []
     original = engine.add_request
 
@@ -101,13 +108,16 @@ def test_a_bad_prompt_adds_nothing_and_a_full_queue_refuses():
             await llm.generate(["x", "bad"], SamplingParams(n=2, seed=5), request_id="r")
         assert engine.aborted == ["r-0", "r-1"] and not engine.live  # all or nothing
         assert not llm._routes
-        with pytest.raises(QueueFullError):
-            await llm.generate(["x"], SamplingParams(n=5), request_id="q")
+        with pytest.raises(ValueError, match="can never fit --max-queue-len 4"):
+            await llm.generate(["x"], SamplingParams(n=5), request_id="never")
         stream = await llm.generate(["x"], SamplingParams(n=2), request_id="ok")
-        return await stream.collect()
+        await anext(stream)  # both running, and they never end
+        with pytest.raises(QueueFullError):  # 2 waiting + 3 > 4: later, it may fit
+            await llm.generate(["x"], SamplingParams(n=3), request_id="q")
+        stream.close()
 
-    outputs = run(engine, body, max_queue_len=4)
-    assert seeds[:2] == [5, 6] and len(outputs) == 2
+    run(engine, body, max_queue_len=4)
+    assert seeds[:2] == [5, 6]
 
 
 def test_close_aborts_what_is_still_running():
@@ -123,10 +133,12 @@ def test_close_aborts_what_is_still_running():
     assert run(engine, body) == ["r-0"]
 
 
-def test_a_dead_engine_fails_streams_and_refuses_new_work():
+def test_a_dead_engine_fails_streams_refuses_new_work_and_calls_the_fatal_callback():
     engine = ScriptedEngine(fail_on_step=2)
+    fatal: list[BaseException] = []
 
     async def body(llm: AsyncLLM):
+        llm.set_fatal_callback(fatal.append)
         stream = await llm.generate(["x"], SamplingParams(), request_id="r")
         with pytest.raises(EngineUnavailableError, match="boom"):
             await stream.collect()
@@ -137,6 +149,27 @@ def test_a_dead_engine_fails_streams_and_refuses_new_work():
             await llm.call(lambda e: None)
 
     run(engine, body)
+    assert [str(error) for error in fatal] == ["boom"]
+
+
+def test_a_request_that_fails_alone_gets_an_error_and_the_others_finish():
+    engine = ScriptedEngine(length=4)
+    fatal: list[BaseException] = []
+
+    async def body(llm: AsyncLLM):
+        llm.set_fatal_callback(fatal.append)
+        llm.set_step_callback(lambda stats, outputs: 1 / 0)  # a broken reporter is not fatal either
+        good = await llm.generate(["x"], SamplingParams(), request_id="good")
+        bad = await llm.generate(["fail"], SamplingParams(), request_id="bad")
+        with pytest.raises(RequestFailedError, match="injected"):
+            await bad.collect()
+        bad.close()
+        outputs = await good.collect()
+        assert llm.is_healthy
+        return outputs
+
+    outputs = run(engine, body)
+    assert outputs[0].outputs[0].text == "aaaa" and not fatal
 
 
 def test_shutdown_refuses_new_requests():

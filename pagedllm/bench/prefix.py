@@ -24,7 +24,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.kv_quant import tokens_until_divergence
 from pagedllm.logger import configure_logging
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import render_chat
+from pagedllm.tokenizer import chat_prompt
 
 # A client is a generator: it yields (prompt, params), receives the answer text, yields the next.
 Client = Generator[tuple[dict, SamplingParams], str, None]
@@ -82,11 +82,7 @@ def _conversation_client(tokenizer, system: str, turns: list[str], max_tokens: i
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for user_turn in turns:
         messages.append({"role": "user", "content": user_turn})
-        text = render_chat(tokenizer, messages)
-        answer = yield (
-            {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids},
-            params,
-        )
+        answer = yield (chat_prompt(tokenizer, messages), params)
         messages.append({"role": "assistant", "content": answer})
 
 

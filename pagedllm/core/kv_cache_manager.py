@@ -100,6 +100,11 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
 
+    def hash_prompt(self, request: Request) -> None:
+        """Hash the full blocks of a new request's prompt (a no-op without prefix caching)."""
+        if self.enable_caching:
+            self._hash_request(request)
+
     def reset_prefix_cache(self) -> int:
         return self.block_pool.reset_prefix_cache()
 

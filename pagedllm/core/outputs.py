@@ -64,6 +64,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     """For requests that asked: one entry per prompt token this step scored."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests whose own part of the step (sampling, prompt scoring) raised: id -> what was raised."""
 
 
 @dataclass
@@ -76,3 +78,4 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None

@@ -211,6 +211,11 @@ class Scheduler:
             request = self.requests.get(scheduled.req_id)
             if request is None or request.is_finished:
                 continue
+            error = runner_output.failed.get(scheduled.req_id)
+            if error is not None:
+                outputs.append(self._fail(request, error, now))
+                any_finished = True
+                continue
             request.num_computed_tokens += scheduled.num_scheduled_tokens
             prompt_logprobs = self._new_prompt_logprobs(request, scheduled, runner_output)
             token_id = runner_output.sampled_token_ids.get(scheduled.req_id)
@@ -240,6 +245,12 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _fail(self, request: Request, error: str, now: float) -> EngineCoreOutput:
+        """End a request whose own part of the step failed; its blocks return at once."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request, now)
+        return EngineCoreOutput(request.req_id, [], finish_reason=request.status.finish_reason, error=error)
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, scheduled, runner_output: ModelRunnerOutput) -> list:

@@ -1,14 +1,21 @@
 """AsyncLLM: the server's engine loop, LLMEngine driven by one background thread.
 
     event loop (HTTP handlers)                        engine thread
-    generate() ---- add command (SimpleQueue) ---->   engine.add_request: validate, tokenize, queue
+    generate(): check_request (vocabulary, lengths, limits), then
+            ------- add command (SimpleQueue) ---->   engine.add_request: queue
                <--- result or ValueError ----------
     RequestStream <-- one call_soon_threadsafe ----   engine.step() -> outputs of every request
                       per step
     stream.close() -- abort command -------------->   engine.abort_request: blocks freed at once
 
-Only the engine thread touches LLMEngine and its tokenizer (neither is thread-safe); a chat
-prompt is rendered there too, from a builder the handler passes. The server builds the engine
+Only the engine thread touches LLMEngine (it is not thread-safe); prompts arrive tokenized (the
+server renders and tokenizes them on a thread of its own, AsyncTokenizer), and are checked before
+they are sent, so little but bookkeeping runs on the engine thread per request.
+
+Failures: a request that fails alone (its sampling or detokenization raised) gets
+RequestFailedError on its stream and the others go on. Anything else raised by a step leaves the
+engine's state unknown: the loop stops, every stream gets EngineUnavailableError, and the fatal
+callback tells the server to exit non-zero so a supervisor restarts it. The server builds the engine
 on that thread as well (`launch`), so every torch op of the process runs on one thread: with
 PyTorch's OpenMP pool, parallel ops ran ~40% slower on a thread started after another thread
 had made its own pool (measured here: 34 vs 57 tokens/s on the same steps). Outputs are cumulative, so a
@@ -27,8 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from transformers import PreTrainedTokenizerBase
-
+from pagedllm import limits
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
@@ -37,8 +43,6 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PromptBuilder = Callable[[PreTrainedTokenizerBase], PromptType]
-"""Makes a prompt on the engine thread, where the tokenizer may be used (chat templates)."""
 StepCallback = Callable[[SchedulerStats, list[RequestOutput]], None]
 """Called on the engine thread after each loop turn with the stats and the outputs (aborts included)."""
 
@@ -49,6 +53,10 @@ class QueueFullError(Exception):
 
 class EngineUnavailableError(Exception):
     """The engine is shutting down or has died; no request can be served."""
+
+
+class RequestFailedError(Exception):
+    """This request failed inside the engine (the engine itself went on serving the others)."""
 
 
 class RequestStream:
@@ -114,6 +122,7 @@ class AsyncLLM:
         self.is_accepting = True
         self.error: BaseException | None = None
         self._on_step: StepCallback | None = None  # set_step_callback()
+        self._on_fatal: Callable[[BaseException], None] | None = None  # set_fatal_callback()
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: stop
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # event loop only
         self._pending_outputs: list[RequestOutput] = []  # engine thread only: outputs of aborts
@@ -148,8 +157,13 @@ class AsyncLLM:
         return async_llm
 
     def set_step_callback(self, on_step: StepCallback) -> None:
-        """Called on the engine thread after each loop turn; set before serving starts."""
+        """Called on the engine thread after each loop turn; set before serving starts. What it
+        raises is logged, never fatal: it only reports."""
         self._on_step = on_step
+
+    def set_fatal_callback(self, on_fatal: Callable[[BaseException], None]) -> None:
+        """Called once, on the engine thread, if the engine loop dies; set before serving starts."""
+        self._on_fatal = on_fatal
 
     def start(self) -> None:
         """Attach the running event loop; start the engine thread unless `launch` did."""
@@ -173,7 +187,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompts: Sequence[PromptType | PromptBuilder],
+        prompts: Sequence[PromptType],
         params: SamplingParams,
         *,
         request_id: str,
@@ -184,6 +198,8 @@ class AsyncLLM:
         """Queue `params.n` sequences per prompt (choice i*n + j: prompt i, seed + j) as one
         atomic add: all are queued or none. Raises ValueError for a bad request,
         QueueFullError past --max-queue-len, EngineUnavailableError when not serving."""
+        self._check_available()
+        self._check(prompts, params, cache_salt, user)
         req_ids = [f"{request_id}-{i}" for i in range(len(prompts) * params.n)]
         stream = RequestStream(self, req_ids)
         # Routes exist before the add is sent, so the first outputs always find their stream.
@@ -224,6 +240,25 @@ class AsyncLLM:
                 self._commands.put(command)
             return not self._is_stopped
 
+    def _check(
+        self, prompts: Sequence[PromptType], params: SamplingParams, cache_salt: str | None, user: str | None
+    ) -> None:
+        """What can be checked before the engine thread: counts, then every tokenized prompt."""
+        num_choices = len(prompts) * params.n
+        if num_choices > limits.MAX_CHOICES:
+            raise ValueError(
+                f"n: {num_choices:,} sequences (prompts x n) is over the limit of {limits.MAX_CHOICES:,}"
+            )
+        if self.max_queue_len is not None and num_choices > self.max_queue_len:
+            raise ValueError(
+                f"n: {num_choices} sequences (prompts x n) can never fit --max-queue-len {self.max_queue_len}"
+            )
+        for prompt in prompts:
+            if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                self.engine.check_request(
+                    prompt["prompt_token_ids"], params, cache_salt=cache_salt, user=user
+                )
+
     def _check_available(self) -> None:
         if self.error is not None:
             raise EngineUnavailableError(f"the engine has stopped after an error: {self.error}")
@@ -235,7 +270,10 @@ class AsyncLLM:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue  # aborted by its handler
-            route[0]._put(route[1], output)
+            if output.error is not None:
+                route[0]._fail(RequestFailedError(f"the request failed: {output.error}"))
+            else:
+                route[0]._put(route[1], output)
             if output.finished:
                 del self._routes[output.request_id]
 
@@ -249,7 +287,7 @@ class AsyncLLM:
     def _add(
         self,
         engine: LLMEngine,
-        prompts: Sequence[PromptType | PromptBuilder],
+        prompts: Sequence[PromptType],
         params: SamplingParams,
         req_ids: list[str],
         arrival_time: float,
@@ -267,8 +305,6 @@ class AsyncLLM:
         added: list[str] = []
         try:
             for i, prompt in enumerate(prompts):
-                if callable(prompt):
-                    prompt = prompt(engine.tokenizer)
                 for j, child in enumerate(children):
                     added.append(
                         engine.add_request(
@@ -292,13 +328,14 @@ class AsyncLLM:
                     outputs += self.engine.step()
                 if outputs and self._loop is not None:  # outputs need requests, which need the loop
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
-                if self._on_step is not None:
-                    self._on_step(self.engine.get_stats(), outputs)
+                self._report(outputs)
         except BaseException as error:
             logger.exception("The engine loop failed; the server can no longer generate")
             self.error = error
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._fail_all, error)
+            if self._on_fatal is not None:
+                self._on_fatal(error)
         finally:
             # Nothing queued from now on will run: answer the callers instead of leaving them waiting.
             with self._submit_lock:
@@ -307,6 +344,14 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                     if command is not None and command.future is not None:
                         command.future.set_exception(EngineUnavailableError("the engine has stopped"))
+
+    def _report(self, outputs: list[RequestOutput]) -> None:
+        if self._on_step is None:
+            return
+        try:
+            self._on_step(self.engine.get_stats(), outputs)
+        except Exception:
+            logger.exception("Recording this step's statistics failed; serving goes on")
 
     def _run_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when idle). False once told to stop."""

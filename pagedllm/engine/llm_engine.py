@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from pagedllm import limits
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
@@ -40,7 +41,8 @@ class LLMEngine:
         self.model_name = model_display_name(config.model)
         folder = resolve_model_folder(config.model)
         self.model_config = ModelConfig.from_folder(folder)
-        self.tokenizer = load_tokenizer(config.tokenizer or folder, config.chat_template)
+        self.tokenizer_folder = config.tokenizer or folder
+        self.tokenizer = load_tokenizer(self.tokenizer_folder, config.chat_template)
         max_model_len = self._resolve_max_model_len(config, self.model_config)
         self.config = config.replace(max_model_len=max_model_len)
 
@@ -100,12 +102,8 @@ class LLMEngine:
                 "n: the engine takes one sequence per request; LLM.generate and the server fan out n"
             )
         prompt_text, prompt_ids = self._tokenize(prompt)
-        max_tokens = self._check_lengths(prompt_ids, params)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"logprobs: {params.logprobs} is over the limit of {self.config.max_logprobs} "
-                "(--max-logprobs)"
-            )
+        max_tokens = self.check_request(prompt_ids, params, cache_salt=cache_salt, user=user)
+        prompt_ids = list(prompt_ids)  # the request's own copy
         req_id = request_id if request_id is not None else str(next(self._request_counter))
         if req_id in self.scheduler.requests or self.output_processor.has_request(req_id):
             raise ValueError(f"request_id: {req_id!r} is already in use")
@@ -120,9 +118,36 @@ class LLMEngine:
             user=user,
             arrival_time=arrival_time or time.monotonic(),
         )
+        self.kv_cache_manager.hash_prompt(request)  # here, where a failure is this request's alone
         self.output_processor.add_request(request)
         self.scheduler.add_request(request)
         return req_id
+
+    def check_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        user: str | None = None,
+    ) -> int:
+        """Everything a request must satisfy beyond its own fields (the vocabulary, max_model_len,
+        --max-logprobs, pagedllm.limits); returns its max_tokens. It reads only what is fixed at
+        start-up, so the server calls it on its own thread before a request reaches the engine
+        thread. Raises ValueError naming the field."""
+        self._check_token_ids("prompt_token_ids", prompt_ids)
+        max_tokens = self._check_lengths(prompt_ids, params)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name}: {value} is over the limit of {self.config.max_logprobs} (--max-logprobs)"
+                )
+        self._check_token_ids("stop_token_ids", params.stop_token_ids or [], allow_empty=True)
+        self._check_token_ids("logit_bias", list(params.logit_bias or {}), allow_empty=True)
+        limits.check_text("cache_salt", cache_salt, limits.MAX_CACHE_SALT_CHARS)
+        limits.check_text("user", user, limits.MAX_USER_CHARS)
+        return max_tokens
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """End requests now, wherever they are; their blocks go back to the pool at once."""
@@ -142,12 +167,14 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(core_outputs)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        processed = self.output_processor.process(core_outputs)
+        if processed.stopped:
+            self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        if processed.failed:
+            self.scheduler.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
         if self.stats_logger is not None and self.stats_logger.is_due():
             self.stats_logger.log(self.scheduler.make_stats())
-        return outputs
+        return processed.outputs
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -160,7 +187,7 @@ class LLMEngine:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), prompt["prompt_token_ids"]
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -168,18 +195,18 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: the prompt is empty")
+            limits.check_text("prompt", prompt)
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, list):
-            return None, self._check_token_ids(prompt)
+            return None, prompt
         raise ValueError(f"prompt: expected a string, token ids or a dict, got {type(prompt).__name__}")
 
-    def _check_token_ids(self, token_ids) -> list[int]:
-        if not isinstance(token_ids, list) or not token_ids:
-            raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
+    def _check_token_ids(self, name: str, token_ids: object, allow_empty: bool = False) -> None:
+        if not isinstance(token_ids, list) or not (token_ids or allow_empty):
+            raise ValueError(f"{name}: must be a non-empty list of token ids")
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt_token_ids: every id must be an integer in [0, {vocab})")
-        return list(token_ids)
+        if not all(type(t) is int and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"{name}: every token id must be an integer in [0, {vocab})")
 
     def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The request's max_tokens after checking it fits max_model_len."""

@@ -6,12 +6,15 @@ the engine then tells the scheduler so its blocks are freed in the same step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from pagedllm.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.request import Request
+from pagedllm.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,7 +26,17 @@ class _RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)
+    """Requests a stop string just finished: the engine must end them in the scheduler."""
+    failed: list[str] = field(default_factory=list)
+    """Requests that failed here: the engine must end them in the scheduler too."""
 
 
 class OutputProcessor:
@@ -46,29 +59,42 @@ class OutputProcessor:
     def has_request(self, req_id: str) -> bool:
         return req_id in self._states
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs and the ids of requests a stop string just finished (the
-        caller must end them in the scheduler)."""
-        outputs, stopped_by_string = [], []
+    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """RequestOutputs of a step. A request whose text cannot be made (its detokenization
+        or logprobs raised) fails alone: its output says so, and it is listed in `failed`."""
+        processed = ProcessedOutputs()
         for core in core_outputs:
             state = self._states.get(core.req_id)
             if state is None:
                 continue
-            state.token_ids.extend(core.new_token_ids)
-            stop = state.detokenizer.append(core.new_token_ids)
-            if stop is not None and core.finish_reason is None:
-                stopped_by_string.append(core.req_id)
-            if stop is not None:
-                core.finish_reason, core.stop_reason = "stop", stop
-            if state.logprobs is not None:
-                self._append_logprobs(state, core.new_logprobs)
-            if state.prompt_logprobs is not None:
-                state.prompt_logprobs.extend(self._to_dicts(core.new_prompt_logprobs))
-            state.finish_reason, state.stop_reason = core.finish_reason, core.stop_reason
-            outputs.append(self._make_output(state))
+            try:
+                self._apply(state, core, processed)
+            except Exception as error:
+                logger.exception("Request %s failed while making its output; the others go on", core.req_id)
+                core.finish_reason, core.stop_reason = RequestStatus.FINISHED_ERROR.finish_reason, None
+                core.error = f"{type(error).__name__}: {error}"
+                processed.failed.append(core.req_id)
+            state.finish_reason, state.stop_reason, state.error = (
+                core.finish_reason,
+                core.stop_reason,
+                core.error,
+            )
+            processed.outputs.append(self._make_output(state))
             if core.finish_reason is not None:
                 del self._states[core.req_id]
-        return outputs, stopped_by_string
+        return processed
+
+    def _apply(self, state: _RequestState, core: EngineCoreOutput, processed: ProcessedOutputs) -> None:
+        state.token_ids.extend(core.new_token_ids)
+        stop = state.detokenizer.append(core.new_token_ids)
+        if stop is not None and core.finish_reason is None:
+            processed.stopped.append(core.req_id)
+        if stop is not None:
+            core.finish_reason, core.stop_reason = "stop", stop
+        if state.logprobs is not None:
+            self._append_logprobs(state, core.new_logprobs)
+        if state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._to_dicts(core.new_prompt_logprobs))
 
     def abort(self, req_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -115,4 +141,5 @@ class OutputProcessor:
             metrics=request.metrics,
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=state.prompt_logprobs,
+            error=state.error,
         )

@@ -14,7 +14,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import render_chat
+from pagedllm.tokenizer import chat_prompt
 
 Conversation = list[dict[str, Any]]
 
@@ -61,12 +61,10 @@ class LLM:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            text = render_chat(tokenizer, conversation, add_generation_prompt, **(chat_template_kwargs or {}))
-            prompts.append(
-                {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
-            )
+        prompts: list[PromptType] = [
+            chat_prompt(tokenizer, conversation, add_generation_prompt, template_kwargs=chat_template_kwargs)
+            for conversation in conversations
+        ]
         return self._run(prompts, self._params_per_prompt(prompts, sampling_params), use_tqdm)
 
     def reset_prefix_cache(self) -> int:

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.metrics.stats import MAX_TRACKED_USERS, OTHER_USERS, PrefixCacheStats, SchedulerStats
+from pagedllm.metrics.stats import (
+    MAX_CALLER_NAME_CHARS,
+    MAX_TRACKED_USERS,
+    OTHER_USERS,
+    PrefixCacheStats,
+    SchedulerStats,
+)
 from pagedllm.outputs import RequestOutput
 
 # vLLM's buckets, so histograms line up with its dashboards.
@@ -48,7 +54,9 @@ class PrometheusMetrics:
         prefix: str = "pagedllm",
         max_model_len: int,
         cache_config: dict[str, str],
+        caller_labels: bool = True,
     ) -> None:
+        """caller_labels: export the hit breakdown by caller (`user` strings become label values)."""
         self.registry = CollectorRegistry()
         label = {"model_name": model_name}
 
@@ -88,8 +96,13 @@ class PrometheusMetrics:
             )
             for label, what in (
                 ("prompt_length", "prompt-length bucket (tokens)"),
-                ("user", f"caller (`user`; {MAX_TRACKED_USERS} by name, later ones as {OTHER_USERS!r})"),
+                (
+                    "user",
+                    f"caller (`user`, its first {MAX_CALLER_NAME_CHARS} characters; "
+                    f"{MAX_TRACKED_USERS} by name, later ones as {OTHER_USERS!r})",
+                ),
             )
+            if label != "user" or caller_labels
         }
         self._last_breakdowns: dict[tuple[str, str], tuple[int, int]] = {}
         self._request_success = Counter(
@@ -152,6 +165,8 @@ class PrometheusMetrics:
             ("prompt_length", prefix_cache.by_prompt_length),
             ("user", prefix_cache.by_user),
         ):
+            if label not in self._hit_breakdowns:
+                continue
             queries, hits = self._hit_breakdowns[label]
             for value, counts in by_value.items():
                 last_queries, last_hits = self._last_breakdowns.get((label, value), (0, 0))

@@ -10,6 +10,8 @@ PROMPT_LENGTH_BUCKETS = (128, 512, 2048, 8192)
 MAX_TRACKED_USERS = 100
 """Callers counted by name; callers first seen after that many share the OTHER_USERS row, so a
 long-running server's memory and its /metrics label set stay bounded."""
+MAX_CALLER_NAME_CHARS = 64
+"""A caller is counted under the first this many characters of its name (a bounded label)."""
 NO_USER = "(none)"
 OTHER_USERS = "(other)"
 
@@ -58,7 +60,7 @@ class PrefixCacheStats(HitCounts):
 
     def record(self, user: str | None, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.add(num_prompt_tokens, num_hit_tokens)
-        caller = user or NO_USER
+        caller = (user or NO_USER)[:MAX_CALLER_NAME_CHARS]
         if caller not in self.by_user and len(self.by_user) >= MAX_TRACKED_USERS:
             caller = OTHER_USERS
         self.by_user.setdefault(caller, HitCounts()).add(num_prompt_tokens, num_hit_tokens)

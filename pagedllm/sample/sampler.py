@@ -1,6 +1,6 @@
 """Sampler: logits of the sampled rows -> one token per request, batched.
 
-Order, as in vLLM: raw logprobs (if asked) -> penalties -> min_tokens masking -> greedy
+Order, as in vLLM: raw logprobs (if asked) -> penalties -> logit bias -> min_tokens masking -> greedy
 rows take the argmax; the others are divided by their temperature, cut by top-k, top-p
 and min-p, and drawn with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
 which equals sampling from p. A request with a seed draws its E from its own generator,
@@ -34,6 +34,8 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, reqs)
+        if any(p.logit_bias for p in params):
+            logits = _apply_logit_bias(logits, params)
         logits = _mask_until_min_tokens(logits, reqs)
 
         greedy = all(p.is_greedy for p in params)
@@ -97,6 +99,18 @@ def apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch
     return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
 
 
+def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+    rows, cols, biases = [], [], []
+    for i, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token_id)
+            biases.append(bias)
+    logits = logits.clone()
+    logits[rows, cols] += torch.tensor(biases, device=logits.device, dtype=logits.dtype)
+    return logits
+
+
 def _mask_until_min_tokens(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
     rows, cols = [], []
     for i, r in enumerate(reqs):
@@ -115,7 +129,7 @@ def _mask_until_min_tokens(logits: torch.Tensor, reqs: list[ScheduledRequest]) -
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     vocab = logits.shape[1]
-    top_k = [p.top_k or vocab for p in params]
+    top_k = [min(p.top_k or vocab, vocab) for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):

@@ -2,9 +2,17 @@
 
 scheduled requests -> input tensors -> model -> logits of the rows to sample -> sampler.
 It receives ids and counts (ScheduledRequest), never scheduler objects.
+
+Failure isolation: the forward pass is the whole batch's, and an error there propagates (the
+engine's state is then unknown). What is one request's own (its sampling settings, its prompt
+scoring) fails that request alone: it is named in ModelRunnerOutput.failed and the others go on.
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -12,6 +20,8 @@ from pagedllm.core.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.worker.input_builder import build_model_input
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -42,15 +52,36 @@ class ModelRunner:
         )
         output = ModelRunnerOutput(sampled_token_ids={})
         for request, first_row, num_rows in model_input.prompt_scoring:
-            output.prompt_logprobs[request.req_id] = self._score_prompt(hidden, request, first_row, num_rows)
-        if not model_input.sampled:
-            return output
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        tokens, logprobs = self.sampler(logits, model_input.sampled)
-        req_ids = [r.req_id for r in model_input.sampled]
-        output.sampled_token_ids = dict(zip(req_ids, tokens, strict=True))
-        output.logprobs = {req_id: lp for req_id, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
+            with _failing_alone(output, request.req_id):
+                output.prompt_logprobs[request.req_id] = self._score_prompt(
+                    hidden, request, first_row, num_rows
+                )
+        if model_input.sampled:
+            logits = self.model.compute_logits(hidden[model_input.logits_indices])
+            self._sample(logits, model_input.sampled, output)
         return output
+
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        """Sample the batch at once; if that raises, each request alone, so only the ones at
+        fault fail. logits: [len(reqs), vocab]."""
+        try:
+            tokens, logprobs = self.sampler(logits, reqs)
+        except Exception:
+            logger.warning("Batched sampling failed; sampling the %d requests one by one", len(reqs))
+            for row, req in enumerate(reqs):
+                with _failing_alone(output, req.req_id):
+                    self._record(output, *self.sampler(logits[row : row + 1], [req]), [req])
+            return
+        self._record(output, tokens, logprobs, reqs)
+
+    @staticmethod
+    def _record(
+        output: ModelRunnerOutput, tokens: list[int], logprobs: list, reqs: list[ScheduledRequest]
+    ) -> None:
+        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
+            output.sampled_token_ids[req.req_id] = token
+            if lp is not None:
+                output.logprobs[req.req_id] = lp
 
     def _score_prompt(
         self, hidden: torch.Tensor, request: ScheduledRequest, first_row: int, num_rows: int
@@ -61,3 +92,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
         k = request.sampling_params.prompt_logprobs
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _failing_alone(output: ModelRunnerOutput, req_id: str) -> Iterator[None]:
+    """One request's own work: an error in it fails that request (logged), not the step."""
+    try:
+        yield
+    except Exception as error:
+        logger.exception("Request %s failed; the others go on", req_id)
+        output.failed[req_id] = f"{type(error).__name__}: {error}"

@@ -9,7 +9,7 @@ from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import render_chat
+from pagedllm.tokenizer import chat_prompt
 
 
 def register(subparsers) -> None:
@@ -97,11 +97,7 @@ def run_chat(args: argparse.Namespace) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        text = render_chat(engine.tokenizer, messages)
-        prompt = {
-            "prompt": text,
-            "prompt_token_ids": engine.tokenizer(text, add_special_tokens=False).input_ids,
-        }
+        prompt = chat_prompt(engine.tokenizer, messages)
         try:
             answer = stream(engine, prompt, params)
         except ValueError as error:  # e.g. the history outgrew max_model_len

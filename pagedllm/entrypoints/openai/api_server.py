@@ -11,6 +11,8 @@ and /dashboard (a page that polls /stats).
 Start-up: bind the port (fail fast), load the engine (it logs the KV cache report), then log the URL.
 SIGINT/SIGTERM: new requests get 503, in-flight ones get --graceful-shutdown-timeout seconds to
 finish and are then aborted, the engine thread stops, the process exits 0.
+If the engine loop dies (an error that leaves its state unknown), /health answers 503, streams
+get an error event, and the process exits 1 with the reason logged, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import contextlib
 import logging
 import os
 import re
-import secrets
 import signal
 import socket
 import threading
@@ -33,13 +34,14 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm import __version__
+from pagedllm import __version__, limits
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.engine.async_tokenizer import AsyncTokenizer
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,6 +60,7 @@ from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
+from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.worker import resolve_device
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")  # by name: also run as __main__
@@ -106,6 +109,33 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(default: 30)",
     )
     group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="Largest request body; a larger one gets 413 before it is read. "
+        f"(default: {limits.DEFAULT_MAX_REQUEST_BODY_BYTES:,})",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Run chat templates sent by clients (`chat_template`, `chat_template_kwargs.chat_template`). "
+        "A template is code: allow it only for clients you trust. (default: refused with a 400)",
+    )
+    group.add_argument(
+        "--chat-template-time-budget",
+        type=float,
+        default=5.0,
+        help="Seconds a chat template may take to render; past it the request gets a 400. (default: 5)",
+    )
+    group.add_argument(
+        "--metrics-caller-label",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Export prefix-cache hits by caller (the request's `user`, at most "
+        f"{limits.MAX_USER_CHARS} characters, 100 names) on /metrics. Turn off when `user` holds "
+        "personal data and /metrics is scraped from outside. (default: on)",
+    )
+    group.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -133,54 +163,41 @@ def check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         )
     if args.graceful_shutdown_timeout < 0:
         parser.error("--graceful-shutdown-timeout must be >= 0")
+    if args.max_request_body_bytes < 1:
+        parser.error("--max-request-body-bytes must be >= 1")
+    if args.chat_template_time_budget <= 0:
+        parser.error("--chat-template-time-budget must be > 0")
 
 
 # ---- the app ---------------------------------------------------------------------------------
 
 
-class APIKeyMiddleware:
-    """401 for a /v1 or /stats call without `Authorization: Bearer <key>`, before the body is
-    read. /stats names callers (their `user` strings), so it is guarded like the API."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/stats")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(
-                    HTTPStatus.UNAUTHORIZED,
-                    "Missing or wrong API key: send `Authorization: Bearer <key>`",
-                    code="invalid_api_key",
-                )
-                await error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(
     engine: AsyncLLM,
+    tokenizer: AsyncTokenizer,
     models: ServedModels,
     metrics: PrometheusMetrics,
     live_stats: LiveStats,
     *,
     api_key: str | None = None,
+    max_request_body_bytes: int = limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
         await engine.shutdown()
+        tokenizer.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    completions = ServingCompletion(engine, models)
-    chat = ServingChat(engine, models)
-    tokenization = ServingTokenization(engine, models)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost
+    completions = ServingCompletion(engine, models, tokenizer)
+    chat = ServingChat(engine, models, tokenizer, trust_request_chat_template=trust_request_chat_template)
+    tokenization = ServingTokenization(models, tokenizer, chat, engine.engine.model_config.vocab_size)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -238,6 +255,18 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
         self.url = url
+        self.exit_code = 0
+
+    def engine_failed(self, error: BaseException) -> None:
+        """The engine loop died (called on its thread): stop serving and exit non-zero."""
+        logger.error(
+            "The engine failed (%s: %s); the server stops and exits with status 1 so that a "
+            "supervisor can restart it",
+            type(error).__name__,
+            error,
+        )
+        self.exit_code = 1
+        self.should_exit = True  # uvicorn's main loop polls this
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
@@ -298,6 +327,10 @@ def run_server(args: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
     llm_engine = engine.engine
+    tokenizer = AsyncTokenizer(
+        load_tokenizer(llm_engine.tokenizer_folder, config.chat_template),
+        template_time_budget=args.chat_template_time_budget,
+    )
     models = ServedModels(
         args.served_model_name or [llm_engine.model_name],
         root=config.model or llm_engine.model_name,
@@ -313,6 +346,7 @@ def run_server(args: argparse.Namespace) -> None:
             "enable_prefix_caching": str(llm_engine.config.enable_prefix_caching),
             "num_gpu_blocks": str(llm_engine.kv_cache_plan.num_blocks),
         },
+        caller_labels=args.metrics_caller_label,
     )
     live_stats = LiveStats(models.names[0], llm_engine.kv_cache_plan.num_blocks, llm_engine.config.block_size)
 
@@ -321,7 +355,16 @@ def run_server(args: argparse.Namespace) -> None:
         live_stats.record(stats, outputs)
 
     engine.set_step_callback(on_step)
-    app = build_app(engine, models, metrics, live_stats, api_key=args.api_key)
+    app = build_app(
+        engine,
+        tokenizer,
+        models,
+        metrics,
+        live_stats,
+        api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+    )
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     uvicorn_config = uvicorn.Config(
@@ -329,7 +372,11 @@ def run_server(args: argparse.Namespace) -> None:
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,
     )
-    _Server(uvicorn_config, engine, url).run(sockets=[sock])
+    server = _Server(uvicorn_config, engine, url)
+    engine.set_fatal_callback(server.engine_failed)
+    server.run(sockets=[sock])
+    if server.exit_code:
+        raise SystemExit(server.exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,20 +2,25 @@
 
 Handlers raise APIError; engine and validation errors are mapped here, so each endpoint says
 nothing about status codes. The engine's ValueErrors read "field: what is wrong", which gives
-`param`.
+`param`. Every error the app can produce has this shape: unknown routes and methods, bodies that
+do not parse, and anything unexpected (a 500, logged with its traceback).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from pagedllm.engine.async_engine import EngineUnavailableError, QueueFullError
+from pagedllm.engine.async_engine import EngineUnavailableError, QueueFullError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 
@@ -31,6 +36,8 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # A message may quote the client's text; a lone surrogate in it must not break the reply.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
@@ -40,7 +47,7 @@ class APIError(Exception):
 def invalid_request(error: ValueError) -> APIError:
     """400 for an engine or SamplingParams ValueError, naming the field it starts with."""
     message = str(error)
-    match = re.match(r"([a-z_]+): ", message)
+    match = re.match(r"([a-z_]+)[:.]", message)
     return APIError(HTTPStatus.BAD_REQUEST, message, param=match.group(1) if match else None)
 
 
@@ -66,6 +73,10 @@ def to_api_error(error: Exception) -> APIError:
         return queue_full(error)
     if isinstance(error, EngineUnavailableError):
         return unavailable(error)
+    if isinstance(error, RequestFailedError):
+        return APIError(
+            HTTPStatus.INTERNAL_SERVER_ERROR, str(error), type="server_error", code="request_failed"
+        )
     if isinstance(error, ValueError):
         return invalid_request(error)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {error!r}", type="server_error")
@@ -81,18 +92,47 @@ def error_response(error: APIError) -> JSONResponse:
     )
 
 
+def http_error(status: int, detail: str) -> APIError:
+    """An HTTP-level error (unknown route, wrong method, a body that is not JSON, too large)."""
+    return APIError(
+        HTTPStatus(status),
+        detail,
+        type="invalid_request_error" if status < 500 else "server_error",
+        code=HTTPStatus(status).phrase.lower().replace(" ", "_"),
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, error: Exception) -> JSONResponse:
+        return error_response(to_api_error(error))
+
+    async def on_http_error(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, HTTPException)
+        detail = error.detail
+        if error.status_code in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED):
+            detail = f"{detail}: {request.method} {request.url.path}"
+        elif error.status_code == HTTPStatus.BAD_REQUEST and error.__cause__ is not None:
+            # FastAPI's "There was an error parsing the body": say what was wrong with it
+            detail = f"the body is not valid JSON in UTF-8 ({type(error.__cause__).__name__})"
+        return error_response(http_error(error.status_code, str(detail)))
+
+    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
         return error_response(to_api_error(error))
 
     async def on_validation_error(_: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
         first = error.errors()[0] if error.errors() else {}
         where = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(APIError(HTTPStatus.BAD_REQUEST, message, param=where[0] if where else None))
+        message = first.get("msg", "invalid request")
+        if not where:  # a check of the whole body; its message starts with the field's path
+            return error_response(invalid_request(ValueError(message)))
+        message = f"{'.'.join(where)}: {message}"
+        return error_response(APIError(HTTPStatus.BAD_REQUEST, message, param=where[0]))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-    for error_type in (QueueFullError, EngineUnavailableError, ValueError):
+    app.add_exception_handler(HTTPException, on_http_error)
+    for error_type in (QueueFullError, EngineUnavailableError, RequestFailedError, ValueError):
         app.add_exception_handler(error_type, on_api_error)
+    app.add_exception_handler(Exception, on_unexpected_error)

@@ -2,7 +2,11 @@
 
 Requests take OpenAI's fields plus vLLM's extensions (top_k, min_p, repetition_penalty, ...);
 unknown fields are ignored, as vLLM's server does. A field left out or sent as null keeps the
-engine's default.
+engine's default. Fields pagedllm does not implement yet (response_format, tools, echo, ...) are
+declared so that a request using them gets a 400 naming the field instead of silent prose
+(serving_common.refuse_unsupported). Every string in a body must be valid Unicode (JSON can
+carry a lone surrogate such as "\ud800", which nothing downstream can encode), and nesting is
+bounded by limits.MAX_JSON_DEPTH.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from pagedllm import limits
 
 
 class OpenAIModel(BaseModel):
@@ -19,7 +26,36 @@ class OpenAIModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if isinstance(data, dict):
+            _check_text_and_depth(data)
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+def _check_text_and_depth(data: dict) -> None:
+    """Walk a body (iteratively: no recursion limit to hit) for bad strings and deep nesting."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > limits.MAX_JSON_DEPTH:
+            raise _body_error(f"body: nested deeper than {limits.MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            if not limits.is_valid_text(value):
+                where = ".".join(path) or "body"
+                raise _body_error(
+                    f"{where}: holds a lone surrogate (e.g. \\ud800), which is not valid Unicode"
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((str(key), path))
+                stack.append((item, (*path, str(key))))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, str(index))) for index, item in enumerate(value))
+
+
+def _body_error(message: str) -> PydanticCustomError:
+    # passed as context: the message may quote keys the client chose, braces included
+    return PydanticCustomError("invalid_body", "{message}", {"message": message})
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -57,6 +93,10 @@ class SamplingFields(OpenAIModel):
     """Accepted for vLLM compatibility; the scheduler is first-come first-served."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    """{token id (as a string, OpenAI's form): bias in [-100, 100]} added to the logits."""
+    response_format: dict[str, Any] | None = None
+    """Only {"type": "text"} for now; structured output is refused with a 400."""
 
 
 class CompletionRequest(SamplingFields):
@@ -64,6 +104,12 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     """Top log-probabilities per token (0: the sampled token's only)."""
+    best_of: int | None = None
+    """Only best_of == n (or left out) is served."""
+    echo: bool = False
+    """Not served: true is refused with a 400."""
+    suffix: str | None = None
+    """Not served: a suffix is refused with a 400."""
 
 
 class ContentPart(OpenAIModel):
@@ -87,7 +133,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    """A client's own Jinja chat template: refused unless the server runs with
+    --trust-request-chat-template (a template is code)."""
     chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (its own arguments, such as messages, are refused)."""
+    tools: list[dict[str, Any]] | None = None
+    """Not served yet: a non-empty list is refused with a 400."""
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    """OpenAI's deprecated tools field: refused like tools."""
 
 
 class TokenizeRequest(OpenAIModel):

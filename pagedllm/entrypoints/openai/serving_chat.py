@@ -7,13 +7,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import jinja2
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
-from transformers import PreTrainedTokenizerBase
 
-from pagedllm.engine.async_engine import AsyncLLM, PromptBuilder, RequestStream
-from pagedllm.engine.llm_engine import PromptType
+from pagedllm.engine.async_engine import AsyncLLM, RequestStream
+from pagedllm.engine.async_tokenizer import AsyncTokenizer
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -32,6 +30,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     choice_usage,
     collect_until_disconnected,
     event_stream,
+    refuse_unsupported,
     sampling_params,
     sse,
     top_logprobs,
@@ -39,13 +38,21 @@ from pagedllm.entrypoints.openai.serving_common import (
 )
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.outputs import RequestOutput
-from pagedllm.tokenizer import render_chat
 
 
 class ServingChat:
-    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: ServedModels,
+        tokenizer: AsyncTokenizer,
+        *,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self.engine = engine
         self.models = models
+        self.tokenizer = tokenizer
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
@@ -57,7 +64,19 @@ class ServingChat:
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
         params = sampling_params(request, max_tokens=max_tokens, logprobs=num_top)
-        prompt = chat_prompt(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
+        refuse_unsupported(
+            request,
+            {
+                "tools": bool(request.tools) or bool(request.functions),
+                "tool_choice": request.tool_choice not in (None, "none"),
+            },
+        )
+        prompt = await self.prompt(
+            request.messages,
+            request.add_generation_prompt,
+            request.chat_template,
+            request.chat_template_kwargs,
+        )
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.engine.generate(
             [prompt],
@@ -153,22 +172,29 @@ class ServingChat:
 
         return event_stream(stream, first, chunks, last)
 
-
-def chat_prompt(
-    messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
-) -> PromptBuilder:
-    """Check the messages now; render and tokenize them later, on the engine thread."""
-    conversation = _conversation(messages)
-
-    def build(tokenizer: PreTrainedTokenizerBase) -> PromptType:
-        try:
-            text = render_chat(tokenizer, conversation, add_generation_prompt, **(template_kwargs or {}))
-        except jinja2.TemplateError as error:
-            raise ValueError(f"messages: the chat template failed: {error}") from error
-        # The template already holds the special tokens (as LLM.chat does).
-        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
-
-    return build
+    async def prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The conversation rendered and tokenized, on the tokenizer's thread. A template sent by
+        the client (chat_template, or chat_template_kwargs.chat_template) is code: it runs only
+        with --trust-request-chat-template."""
+        template_kwargs = dict(template_kwargs or {})
+        if "chat_template" in template_kwargs:
+            template = template_kwargs.pop("chat_template")
+        if template is not None and not self.trust_request_chat_template:
+            raise ValueError(
+                "chat_template: this server does not run chat templates sent by clients "
+                "(the operator can allow it with --trust-request-chat-template)"
+            )
+        if template is not None and not isinstance(template, str):
+            raise ValueError("chat_template: must be a string")
+        return await self.tokenizer.chat_prompt(
+            _conversation(messages), add_generation_prompt, template=template, template_kwargs=template_kwargs
+        )
 
 
 def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -44,7 +44,30 @@ def sampling_params(
 ) -> SamplingParams:
     """Fields sent as null keep SamplingParams' defaults. Raises ValueError naming a bad field."""
     fields = {name: getattr(request, name) for name in _SAMPLING_FIELDS if getattr(request, name) is not None}
-    return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+    return SamplingParams(
+        **fields, max_tokens=max_tokens, logprobs=logprobs, logit_bias=_logit_bias(request.logit_bias)
+    )
+
+
+def refuse_unsupported(request: SamplingFields, unsupported: dict[str, bool]) -> None:
+    """ValueError naming the first field asked for that pagedllm does not serve: a user who asked
+    for JSON must not get prose with no sign why. `unsupported`: {field: whether it was asked for}."""
+    response_format = request.response_format
+    if response_format is not None and response_format.get("type") != "text":
+        unsupported = {"response_format": True, **unsupported}
+    for name, asked in unsupported.items():
+        if asked:
+            raise ValueError(f"{name}: not supported by this server (yet); leave it out")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    if bias is None:
+        return None
+    try:
+        return {int(token_id): value for token_id, value in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias: keys must be token ids (integers)") from None
 
 
 def usage(outputs: Mapping[int, RequestOutput], n: int) -> UsageInfo:

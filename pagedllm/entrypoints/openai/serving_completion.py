@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator, Iterator
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from pagedllm import limits
 from pagedllm.engine.async_engine import AsyncLLM, RequestStream
+from pagedllm.engine.async_tokenizer import AsyncTokenizer
 from pagedllm.engine.llm_engine import PromptType
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -22,6 +24,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     choice_usage,
     collect_until_disconnected,
     event_stream,
+    refuse_unsupported,
     sampling_params,
     sse,
     top_logprobs,
@@ -32,17 +35,27 @@ from pagedllm.outputs import RequestOutput
 
 
 class ServingCompletion:
-    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
+    def __init__(self, engine: AsyncLLM, models: ServedModels, tokenizer: AsyncTokenizer) -> None:
         self.engine = engine
         self.models = models
+        self.tokenizer = tokenizer
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         model = self.models.resolve(request.model)
         params = sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs)
+        refuse_unsupported(
+            request,
+            {
+                "best_of": request.best_of not in (None, params.n),
+                "echo": request.echo,
+                "suffix": bool(request.suffix),
+            },
+        )
+        prompts = await self._prompts(request.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self.engine.generate(
-            _prompts(request.prompt),
+            prompts,
             params,
             request_id=response_id,
             arrival_time=arrival_time,
@@ -116,15 +129,23 @@ class ServingCompletion:
 
         return event_stream(stream, (), chunks, last)
 
-
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ValueError("prompt: the prompt list is empty")
-    if isinstance(prompt[0], int):
-        return [prompt]  # one prompt of token ids
-    return list(prompt)
+    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+        """Token ids of every prompt (text is tokenized on the tokenizer's thread)."""
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not prompts:
+            raise ValueError("prompt: the prompt list is empty")
+        if isinstance(prompts[0], int):
+            return [{"prompt_token_ids": prompts}]  # one prompt of token ids
+        if len(prompts) > limits.MAX_CHOICES:
+            raise ValueError(f"prompt: {len(prompts):,} prompts is over the limit of {limits.MAX_CHOICES:,}")
+        if not isinstance(prompts[0], str):
+            return [{"prompt_token_ids": ids} for ids in prompts]
+        if not all(prompts):
+            raise ValueError("prompt: the prompt is empty")
+        token_ids = await self.tokenizer.encode(prompts)
+        return [
+            {"prompt": text, "prompt_token_ids": ids} for text, ids in zip(prompts, token_ids, strict=True)
+        ]
 
 
 def _logprobs(

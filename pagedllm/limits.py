@@ -1,0 +1,55 @@
+"""What one request may carry, in one place: every limit here is checked before a request
+reaches the engine thread (and again by LLMEngine.add_request for the offline API), and a
+request over one gets a ValueError naming the field, which the server turns into a 400.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+MAX_N = 128
+"""Most choices per prompt (OpenAI's own limit for `n`)."""
+MAX_CHOICES = 1024
+"""Most sequences one API request may start (prompts x n)."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""OpenAI's bounds for a logit bias."""
+MAX_USER_CHARS = 256
+"""The caller's name (`user`), which statistics and /metrics labels carry."""
+MAX_CACHE_SALT_CHARS = 1024
+INT64_RANGE = (-(2**63), 2**63 - 1)
+"""Seeds (vLLM's range: a torch.long)."""
+INT32_MAX = 2**31 - 1
+"""top_k and other counts a kernel may hold in 32 bits."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of lists and objects in a request body."""
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024**2
+"""--max-request-body-bytes: far above any prompt max_model_len allows, far below what hurts."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def is_valid_text(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON allows the escape; UTF-8 cannot encode it)."""
+    return text.isascii() or _SURROGATE.search(text) is None
+
+
+def check_text(name: str, value: str | None, max_chars: int | None = None) -> None:
+    """ValueError unless `value` is None or valid text (of at most `max_chars` characters)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: must be a string")
+    if max_chars is not None and len(value) > max_chars:
+        raise ValueError(f"{name}: {len(value):,} characters is over the limit of {max_chars:,}")
+    if not is_valid_text(value):
+        raise ValueError(f"{name}: holds a lone surrogate (e.g. \\ud800), which is not valid Unicode")
+
+
+def check_finite(name: str, value: float) -> None:
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
