@@ -34,7 +34,7 @@ def render_chat(
     time_budget: float | None = None,
 ) -> str:
     """The conversation as text, through `template` or else the tokenizer's chat template."""
-    template = template or tokenizer.chat_template
+    template = template if template is not None else tokenizer.chat_template
     if not template:
         raise ValueError("messages: this model's tokenizer has no chat template; pass --chat-template")
     return chat_template.render(
@@ -56,4 +56,6 @@ def chat_prompt(
     """{"prompt": text, "prompt_token_ids": ids} for a conversation. The rendered text already
     holds the special tokens, so it is tokenized without adding more."""
     text = render_chat(tokenizer, messages, add_generation_prompt, **render_kwargs)
+    if not text:
+        raise ValueError("messages: the chat template rendered an empty prompt")
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}

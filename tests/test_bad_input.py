@@ -23,6 +23,18 @@ from pagedllm.config import EngineConfig, parse_memory_size
         ({"logprobs": -1}, "logprobs"),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
         ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed"),
+        ({"top_k": 10**30}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"stop": ["\ud800"]}, "stop"),
+        ({"stop": ["x"] * 65}, "stop"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
@@ -74,11 +86,19 @@ def test_bad_requests_are_rejected_and_the_batch_is_unaffected(llm):
         ({"prompt_token_ids": []}, params, "prompt_token_ids"),
         ({"prompt_token_ids": [10**9]}, params, "prompt_token_ids"),
         ("fine prompt", SamplingParams(logprobs=1000), "logprobs"),
+        ("fine prompt", SamplingParams(prompt_logprobs=1000), "prompt_logprobs"),
+        ("fine prompt", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ("fine prompt", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+        ("a lone \udc00 surrogate", params, "prompt: holds a lone surrogate"),
     ]
     blocks_before = engine.kv_cache_manager.block_pool.num_free_blocks
     for prompt, p, message in bad:
         with pytest.raises(ValueError, match=message):
             engine.add_request(None, prompt, p)
+    long_prompt = "word " * 40  # over a block: its hash would carry the salt
+    for field, value in (("cache_salt", "\ud800"), ("user", "\ud800"), ("user", "u" * 257)):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            engine.add_request(None, long_prompt, params, **{field: value})
     assert engine.kv_cache_manager.block_pool.num_free_blocks == blocks_before
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good-0", "duplicate id", params)
@@ -107,3 +127,28 @@ def test_model_len_that_cannot_fit_fails_at_start_saying_what_to_change():
         ValueError, match=r"max_model_len 1,024 needs 64 KV cache blocks.*lower --max-model-len"
     ):
         LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes="1MiB")
+
+
+def test_a_request_whose_sampling_fails_ends_alone_with_an_error(llm, monkeypatch):
+    """The batched sampler raising falls back to one request at a time: only the one at fault
+    fails (finish_reason "error", its blocks freed), the others get the tokens they get alone."""
+    from pagedllm.sample.sampler import Sampler
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = ["A good request", "Another good one"]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    sample = Sampler.__call__
+
+    def faulty(self, logits, reqs):
+        if any(r.sampling_params.seed == 666 for r in reqs):
+            raise RuntimeError("injected")
+        return sample(self, logits, reqs)
+
+    monkeypatch.setattr(Sampler, "__call__", faulty)
+    bad = SamplingParams(temperature=0.5, max_tokens=8, seed=666)
+    outputs = llm.generate([*prompts, "A bad one"], [params, params, bad], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == [e.outputs[0].token_ids for e in expected]
+    assert outputs[2].outputs[0].finish_reason == "error" and "injected" in outputs[2].error
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    assert not llm.llm_engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks
+    pool.check_integrity()

@@ -14,7 +14,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 
 from .conftest import TEST_ENGINE_ARGS
-from .test_scheduler import make_scheduler, step
+from .test_scheduler import fake_run, make_scheduler, step
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -245,8 +245,9 @@ def test_lpm_prefers_a_cached_prefix_without_starving_the_head():
 
 
 class CachingSchedulerMachine(RuleBasedStateMachine):
-    """Random add / step / abort with shared prefixes and a small pool: no block may be both
-    free and referenced, ref counts equal holders, and everything drains back to the pool."""
+    """Random add / step / abort / stop / fail with shared prefixes and a small pool (so requests
+    are preempted): no block may be both free and referenced, ref counts equal holders, and
+    everything drains back to the pool, however requests end."""
 
     @initialize(num_blocks=st.integers(10, 30), max_num_seqs=st.integers(1, 5))
     def setup(self, num_blocks, max_num_seqs):
@@ -271,10 +272,28 @@ class CachingSchedulerMachine(RuleBasedStateMachine):
         step(self.scheduler, token)
 
     @precondition(lambda self: self.scheduler.has_unfinished_requests())
-    @rule(data=st.data())
-    def abort(self, data):
+    @rule(
+        data=st.data(),
+        status=st.sampled_from([RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED]),
+    )
+    def end_from_outside(self, data, status):
+        """An abort (a client left) or a stop string (found by the detokenizer)."""
         req_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
-        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests([req_id], status)
+
+    @rule(data=st.data())
+    def step_where_one_request_fails(self, data):
+        """The runner reports one scheduled request's own work failed (its sampling, say)."""
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return
+        failed = data.draw(st.sampled_from([s.req_id for s in output.scheduled]))
+        runner_output = fake_run(output, 2)
+        runner_output.sampled_token_ids.pop(failed, None)
+        runner_output.failed[failed] = "RuntimeError: injected"
+        outputs = self.scheduler.update_from_output(output, runner_output)
+        assert [o.finish_reason for o in outputs if o.req_id == failed] == ["error"]
+        assert failed not in self.scheduler.requests
 
     @invariant()
     def ref_counts_equal_holders(self):

@@ -54,8 +54,14 @@ class RemoteServer:
     """`python -m pagedllm.entrypoints.openai.api_server ARGS --port 0` in a subprocess; the
     URL is read from its log line, so no port is guessed."""
 
-    def __init__(self, args: list[str], timeout: float = 240.0, env: dict[str, str] | None = None) -> None:
-        command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", *args]
+    def __init__(
+        self,
+        args: list[str],
+        timeout: float = 240.0,
+        env: dict[str, str] | None = None,
+        module: str = "pagedllm.entrypoints.openai.api_server",
+    ) -> None:
+        command = [sys.executable, "-m", module, *args]
         if "--port" not in args:
             command += ["--port", "0"]
         self.proc = subprocess.Popen(
