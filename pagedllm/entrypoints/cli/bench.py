@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.bench import kv_quant, prefix, serve, throughput
+from pagedllm.bench import kv_quant, prefix, serve, soak, throughput
 
 
 def register(subparsers) -> None:
@@ -20,3 +20,8 @@ def register(subparsers) -> None:
     parser = kinds.add_parser("serve", help="an OpenAI-compatible server under streaming load (vs offline)")
     serve.add_arguments(parser)
     parser.set_defaults(handler=serve.main)
+    parser = kinds.add_parser(
+        "soak", help="minutes of good, aborted, disconnected and bad requests: errors, memory, leaked blocks"
+    )
+    soak.add_arguments(parser)
+    parser.set_defaults(handler=soak.main)
