@@ -14,7 +14,8 @@ from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, quantize
 from pagedllm.attention.metadata import DecodeBatch
 from pagedllm.attention.paged_attention import decode_gathered
 
-CACHE_DTYPES = ["float32", *KV_CACHE_DTYPES]
+CACHE_DTYPES = ["float32", "bfloat16", "float16", *KV_CACHE_DTYPES]
+HALF_WIDTH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def test_the_kernel_builds_here():
@@ -32,10 +33,12 @@ def _random_case(seed: int, cache_dtype: str, num_seqs: int, group: int, head_di
     needed = -(-seq_lens // block_size)
     tables = torch.where(torch.arange(max_blocks)[None, :] < needed[:, None], owned, 0)
     k, v = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 3 for _ in "kv")
-    if cache_dtype != "float32":
+    query = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=gen)
+    if cache_dtype in HALF_WIDTH:  # a 16-bit model: queries and cache alike
+        query, k, v = (x.to(HALF_WIDTH[cache_dtype]) for x in (query, k, v))
+    elif cache_dtype != "float32":
         fmt = KV_CACHE_DTYPES[cache_dtype]
         k, v = quantize(k, fmt).view(fmt), quantize(v, fmt).view(fmt)
-    query = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=gen)
     mask = (torch.arange(max_blocks * block_size)[None, :] < seq_lens[:, None])[:, None, None, :]
     return query, k, v, DecodeBatch(torch.arange(num_seqs), tables, seq_lens, mask)
 
@@ -53,9 +56,16 @@ def test_kernel_equals_gather_and_sdpa(cache_dtype, seed, num_seqs, group, head_
     query, k, v, batch = _random_case(seed, cache_dtype, num_seqs, group, head_dim, block_size)
     scale = head_dim**-0.5
     assert cpu_kernel.can_decode(query, k)
-    expected = decode_gathered(query, k, v, batch, scale)
     got = cpu_kernel.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, scale)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    if cache_dtype in HALF_WIDTH:
+        # the kernel widens 16-bit rows and sums in float32: the float32 path on the same values,
+        # rounded once to the query's dtype
+        expected = decode_gathered(query.float(), k.float(), v.float(), batch, scale).to(query.dtype)
+        assert got.dtype == query.dtype
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+    else:
+        expected = decode_gathered(query, k, v, batch, scale)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
 def test_reads_outside_the_cache_are_refused():

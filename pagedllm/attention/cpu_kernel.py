@@ -18,21 +18,27 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.cpu_features import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-_CACHE_DTYPES = {torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2}
+_CACHE_DTYPES = {
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+}
+_QUERY_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
 
 def _cpu_tag() -> str:
     """Names the build after this CPU's instruction sets: a -march=native build cached on another
     machine (a shared home, a copied image) must not be loaded here, where it could die on an
     illegal instruction."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        features = next(line for line in lines if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        features = f"{platform.machine()} {platform.processor()}"
+    features = " ".join(sorted(cpu_flags())) or f"{platform.machine()} {platform.processor()}"
     return hashlib.sha256(features.encode()).hexdigest()[:12]
 
 
@@ -59,7 +65,7 @@ def can_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention serves this query and cache."""
     return (
         query.device.type == "cpu"
-        and query.dtype == torch.float32
+        and query.dtype in _QUERY_DTYPES
         and k_cache.dtype in _CACHE_DTYPES
         and query.shape[-1] % 8 == 0
         and is_built()
@@ -75,5 +81,9 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens:
-    [num_seqs] tokens to attend each. Returns [num_seqs, num_heads, head_dim]."""
-    return torch.ops.pagedllm.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    [num_seqs] tokens to attend each. Returns [num_seqs, num_heads, head_dim] in the query's dtype
+    (the kernel works in float32: 16-bit queries are widened, their result rounded back)."""
+    out = torch.ops.pagedllm.paged_decode_attention(
+        query.float(), k_cache, v_cache, block_tables, seq_lens, scale
+    )
+    return out.to(query.dtype)

@@ -1,8 +1,8 @@
 """Attention over the paged KV cache: PyTorch ops, and the C++ decode kernel on CPU.
 
 Every layer first writes the step's new K/V into their slots, then reads:
-- decodes on CPU (float32 queries): one call of the C++ kernel in cpu_kernel.py, which reads
-  each request's blocks where they lie, 8-bit rows included;
+- decodes on CPU (float32, bfloat16 or float16 queries): one call of the C++ kernel in
+  cpu_kernel.py, which reads each request's blocks where they lie, 8-bit rows included;
 - decodes elsewhere, batched: the blocks of all decoding requests are gathered in one index_select
   ([batch, max_blocks * block_size, kv_heads, head_dim]) and attended in one SDPA call,
   padding masked out. The q heads that share a KV head are laid out as that head's query
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from pagedllm.attention import cpu_kernel
 from pagedllm.attention.kv_quant import dequantize, is_quantized, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
-
 
 def write_kv(
     k_cache: torch.Tensor,

@@ -1,9 +1,12 @@
 """A linear layer that runs fast on CPU.
 
-On CPU in float32, weights are packed once, after loading, into oneDNN's blocked layout and
-multiplied with oneDNN (the path torch.compile's CPU backend takes). Measured here over
-SmolLM2's 30 layers: 19 ms instead of 30 ms for a single row, 130 instead of 154-175 ms for
-64 rows, about the same for prefill-sized chunks; its 49,152-row lm_head 1.4-2.6x faster.
+On CPU in float32, and in bfloat16 where the CPU has bfloat16 instructions, weights are packed
+once, after loading, into oneDNN's blocked layout and multiplied with oneDNN (the path
+torch.compile's CPU backend takes). Measured over SmolLM2's 30 layers, float32 on an AVX2 host:
+19 ms instead of 30 ms for a single row, 130 instead of 154-175 ms for 64 rows, about the same
+for prefill-sized chunks; its 49,152-row lm_head 1.4-2.6x faster. bfloat16 on an AVX-512-BF16
+host (AMD Zen 5): a decode step of 8 requests 37 -> 21 ms (every projection 1.3-2.4x faster,
+the lm_head 1.2-3.7x), and faster at every size up to 256 rows.
 
 Unpacked, few-row products (decode steps) go as W @ Xᵀ, which MKL streams from memory
 better than X @ Wᵀ; from about a hundred rows on the usual orientation is as fast or faster.
@@ -14,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.cpu_features import has_fast_bf16
 
 _FEW_ROWS = 96
 
@@ -29,10 +34,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN packing pays on CPU in float32; other dtypes may hit slow reference kernels."""
-    return (
-        weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-    )
+    """oneDNN packing pays on CPU in float32, and in bfloat16 where the CPU has bfloat16
+    instructions; elsewhere oneDNN's bfloat16 falls back to slow reference kernels."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and has_fast_bf16())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.llama import LlamaForCausalLM
@@ -66,15 +67,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return getattr(torch, dtype)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
-
-
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+    return torch.bfloat16 if has_fast_bf16() else torch.float32
 
 
 def load_model(

@@ -57,7 +57,7 @@ class Worker:
             keep_freed_memory()
         self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
         self.packed_copy_bytes = self.model.pack_weights()
-        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernel.is_built():
+        if self.device.type == "cpu" and cpu_kernel.is_built():
             logger.info("Decode attention: C++ kernel reading the paged KV cache in place")
 
     def kv_cache_budget_bytes(self) -> int:

@@ -6,17 +6,19 @@
 // (KV head, request) task walks its block table in place, for all the query heads that share
 // that KV head: scores 8 keys at a time (8 independent multiply-add chains), a vectorized
 // softmax, then the values summed 8 floats at a time with one accumulator per query head
-// kept in registers. An 8-bit row is widened as it is read and its scale applied to the sums,
-// not to each value, so a quantized cache reads about a quarter of the bytes and writes none.
-// AVX2 + FMA paths where the compiler targets them (-march=native), plain loops elsewhere.
+// kept in registers. A bfloat16 / float16 row is widened to float32 as it is read (all sums are
+// float32); an 8-bit row likewise, with its scale applied to the sums, not to each value, so a
+// quantized cache reads about a quarter of float32's bytes and writes none.
+// AVX2 + FMA (+ F16C) paths where the compiler targets them (-march=native), plain loops elsewhere.
 //
 // Shapes: query [num_seqs, num_heads, head_dim] float32; k_cache / v_cache
-// [num_blocks, block_size, num_kv_heads, row] with row = head_dim (float32) or
-// head_dim + 2 (int8 / fp8 values, then a float16 scale); block_tables [num_seqs, max_blocks]
+// [num_blocks, block_size, num_kv_heads, row] with row = head_dim (float32, bfloat16, float16)
+// or head_dim + 2 (int8 / fp8 values, then a float16 scale); block_tables [num_seqs, max_blocks]
 // and seq_lens [num_seqs] int64. Returns [num_seqs, num_heads, head_dim] float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
@@ -31,7 +33,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
 #else
@@ -112,6 +114,28 @@ struct FloatRow {
   static float scale(const uint8_t* /*row*/, int64_t /*head_dim*/) { return 1.f; }
 #if PAGEDLLM_AVX2
   static __m256 load8(const uint8_t* row, int64_t d) { return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d); }
+#endif
+};
+
+// A 16-bit float row (bfloat16 or float16), widened to float32 as it is read.
+template <typename T>
+struct HalfWidthRow {
+  static const float* values(const uint8_t* row, int64_t head_dim, float* buffer) {
+    const T* x = reinterpret_cast<const T*>(row);
+    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = static_cast<float>(x[d]);
+    return buffer;
+  }
+  static float scale(const uint8_t* /*row*/, int64_t /*head_dim*/) { return 1.f; }
+#if PAGEDLLM_AVX2
+  static __m256 load8(const uint8_t* row, int64_t d) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d * 2));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // a bfloat16 is the top half of a float32
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+    } else {
+      return _mm256_cvtph_ps(halves);
+    }
+  }
 #endif
 };
 
@@ -292,7 +316,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_kv_heads > 0 && head_dim % kLanes == 0 && num_heads % num_kv_heads == 0,
               "head_dim % 8 and num_heads % num_kv_heads");
-  const bool quantized = k_cache.scalar_type() != at::kFloat;
+  const auto cache_type = k_cache.scalar_type();
+  const bool quantized = cache_type != at::kFloat && cache_type != at::kBFloat16 && cache_type != at::kHalf;
   TORCH_CHECK(k_cache.size(3) == head_dim + (quantized ? 2 : 0),
               "k_cache rows: head_dim values, plus 2 scale bytes when 8-bit");
   const at::Tensor q = query.contiguous(), tables = block_tables.contiguous(), lens = seq_lens.contiguous();
@@ -322,6 +347,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(FloatRow{}); break;
+    case at::kBFloat16: run(HalfWidthRow<c10::BFloat16>{}); break;
+    case at::kHalf: run(HalfWidthRow<c10::Half>{}); break;
     case at::kChar: run(QuantizedRow<int8_t>{}); break;
     case at::kFloat8_e4m3fn: run(QuantizedRow<c10::Float8_e4m3fn>{}); break;
     case at::kFloat8_e5m2: run(QuantizedRow<c10::Float8_e5m2>{}); break;
