@@ -1,6 +1,6 @@
-"""The CPU decode-attention kernel against the PyTorch path it replaces (gather the blocks, one
-SDPA call): same outputs for every cache dtype, grouped-query layouts, ragged lengths and
-scattered block tables."""
+"""The CPU attention kernel against the PyTorch path it replaces (gather the blocks, SDPA): same
+outputs for decodes and prefill chunks, every cache dtype, grouped-query layouts, ragged lengths
+and scattered block tables; and each token's output bit for bit the same however a step is split."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from pagedllm.attention import cpu_kernel
 from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, quantize
-from pagedllm.attention.metadata import DecodeBatch
-from pagedllm.attention.paged_attention import decode_gathered
+from pagedllm.attention.metadata import DecodeBatch, PrefillSpan
+from pagedllm.attention.paged_attention import decode_gathered, prefill_gathered
 
 CACHE_DTYPES = ["float32", "bfloat16", "float16", *KV_CACHE_DTYPES]
 HALF_WIDTH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,7 +55,7 @@ def _random_case(seed: int, cache_dtype: str, num_seqs: int, group: int, head_di
 def test_kernel_equals_gather_and_sdpa(cache_dtype, seed, num_seqs, group, head_dim, block_size):
     query, k, v, batch = _random_case(seed, cache_dtype, num_seqs, group, head_dim, block_size)
     scale = head_dim**-0.5
-    assert cpu_kernel.can_decode(query, k)
+    assert cpu_kernel.serves(query.device, query.dtype, k.dtype, head_dim)
     got = cpu_kernel.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, scale)
     if cache_dtype in HALF_WIDTH:
         # the kernel widens 16-bit rows and sums in float32: the float32 path on the same values,
@@ -73,7 +73,7 @@ def test_reads_outside_the_cache_are_refused():
     lens, tables = batch.seq_lens.clone(), batch.block_tables.clone()
     too_long = lens.clone()
     too_long[0] = tables.shape[1] * 4 + 1
-    with pytest.raises(RuntimeError, match="outside"):
+    with pytest.raises(RuntimeError, match="past the block table"):
         cpu_kernel.paged_decode_attention(query, k, v, tables, too_long, 0.1)
     tables[1, 0] = k.shape[0]
     with pytest.raises(RuntimeError, match="not a block"):
@@ -96,3 +96,64 @@ def test_caches_of_different_dtypes_are_refused():
         cpu_kernel.paged_decode_attention(
             query, k, v.view(torch.uint8), batch.block_tables, batch.seq_lens, 0.1
         )
+
+
+def _prefill_case(seed: int, cache_dtype: str, rows: list[int], contexts: list[int], block_size: int = 4):
+    """Requests computing rows[i] tokens after contexts[i] cached ones, in scattered blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, group, head_dim, num_blocks = 2, 3, 16, 96
+    seq_lens = torch.tensor(rows) + torch.tensor(contexts)
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    tables = (torch.randperm(num_blocks, generator=gen)[: len(rows) * max_blocks]).view(len(rows), max_blocks)
+    k, v = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 2 for _ in "kv")
+    if cache_dtype != "float32":
+        fmt = KV_CACHE_DTYPES[cache_dtype]
+        k, v = quantize(k, fmt).view(fmt), quantize(v, fmt).view(fmt)
+    query = torch.randn(sum(rows), num_kv_heads * group, head_dim, generator=gen)
+    starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+    return query, k, v, tables, starts, seq_lens
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_prefill_chunks_equal_causal_sdpa_over_the_gathered_context(cache_dtype):
+    rows, contexts = [1, 7, 33, 16, 2], [0, 0, 5, 40, 9]  # decodes, fresh prompts, chunks after a context
+    query, k, v, tables, starts, seq_lens = _prefill_case(3, cache_dtype, rows, contexts)
+    got = cpu_kernel.paged_attention(query, k, v, tables, starts, seq_lens, 0.25)
+    for i, (n, context) in enumerate(zip(rows, contexts, strict=True)):
+        visible = torch.arange(context + n)[None, :] <= torch.arange(context, context + n)[:, None]
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        span = PrefillSpan(0, n, context, tables[i], mask)
+        expected = prefill_gathered(query[starts[i] : starts[i + 1]], None, None, k, v, span, 0.25)
+        torch.testing.assert_close(got[starts[i] : starts[i + 1]], expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), cut=st.integers(1, 44), data=st.data())
+def test_a_tokens_output_is_the_same_however_the_step_is_split(cache_dtype, seed, cut, data):
+    """45 tokens of one request: in one call, in two chunks split at `cut`, one by one, or beside
+    other requests; every token's output is bit for bit the same."""
+    query, k, v, tables, _, _ = _prefill_case(
+        seed, "float32" if cache_dtype == "bfloat16" else cache_dtype, [45], [0]
+    )
+    if cache_dtype == "bfloat16":
+        query, k, v = query.bfloat16(), k.bfloat16(), v.bfloat16()
+    table = tables[:1]
+
+    def run(first: int, last: int) -> torch.Tensor:
+        starts = torch.tensor([0, last - first])
+        return cpu_kernel.paged_attention(query[first:last], k, v, table, starts, torch.tensor([last]), 0.3)
+
+    whole = run(0, 45)
+    assert torch.equal(torch.cat([run(0, cut), run(cut, 45)]), whole)
+    one_by_one = data.draw(st.sampled_from([0, 13, 44]))
+    assert torch.equal(run(one_by_one, one_by_one + 1), whole[one_by_one : one_by_one + 1])
+    # beside other requests (a decode and a fresh prompt sharing blocks 0.. of other tables)
+    other_rows = query[:3]
+    mixed_query = torch.cat([other_rows[:1], query[:45], other_rows])
+    mixed_tables = torch.cat([tables[:1], table, tables[:1]])
+    starts = torch.tensor([0, 1, 46, 49])
+    mixed = cpu_kernel.paged_attention(
+        mixed_query, k, v, mixed_tables, starts, torch.tensor([20, 45, 3]), 0.3
+    )
+    assert torch.equal(mixed[1:46], whole)

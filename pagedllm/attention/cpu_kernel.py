@@ -1,11 +1,11 @@
-"""The CPU decode-attention kernel (csrc/paged_decode_cpu.cpp), compiled on first use.
+"""The CPU attention kernel (csrc/paged_attention_cpu.cpp), compiled on first use.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
 CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
 extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions); later processes
 load the cached library, and a changed source is rebuilt. `make setup` builds it once, so the
-first server start does not wait ~25 s. Where it cannot be built (no compiler), decode
-attention keeps the PyTorch path, with a warning.
+first server start does not wait ~25 s. Where it cannot be built (no compiler), attention
+keeps the PyTorch path (gather + SDPA), with a warning.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pagedllm.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _CACHE_DTYPES = {
     torch.float32,
     torch.bfloat16,
@@ -61,15 +61,36 @@ def is_built() -> bool:
     return True
 
 
-def can_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention serves this query and cache."""
+def serves(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_attention serves a model of this dtype and cache on this device."""
     return (
-        query.device.type == "cpu"
-        and query.dtype in _QUERY_DTYPES
-        and k_cache.dtype in _CACHE_DTYPES
-        and query.shape[-1] % 8 == 0
+        device.type == "cpu"
+        and dtype in _QUERY_DTYPES
+        and cache_dtype in _CACHE_DTYPES
+        and head_dim % 8 == 0
         and is_built()
     )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every query token over its request's cached keys (this step's K/V
+    already written). query: [num_tokens, num_heads, head_dim], each request's tokens
+    contiguous; block_tables: [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1] first token
+    of each request; seq_lens: [num_seqs] its keys, this step's included. Returns
+    [num_tokens, num_heads, head_dim] in the query's dtype (the kernel works in float32: 16-bit
+    queries are widened, their result rounded back)."""
+    out = torch.ops.pagedllm.paged_attention(
+        query.float(), k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+    )
+    return out.to(query.dtype)
 
 
 def paged_decode_attention(
@@ -80,10 +101,6 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """query: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens:
-    [num_seqs] tokens to attend each. Returns [num_seqs, num_heads, head_dim] in the query's dtype
-    (the kernel works in float32: 16-bit queries are widened, their result rounded back)."""
-    out = torch.ops.pagedllm.paged_decode_attention(
-        query.float(), k_cache, v_cache, block_tables, seq_lens, scale
-    )
-    return out.to(query.dtype)
+    """paged_attention for one query token per request: query [num_seqs, num_heads, head_dim]."""
+    query_start_loc = torch.arange(query.shape[0] + 1, device=query.device)
+    return paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

@@ -40,7 +40,20 @@ class PrefillSpan:
 
 
 @dataclass
+class PagedKernelInput:
+    """What the CPU kernel reads: every request's block table and where its tokens lie."""
+
+    block_tables: torch.Tensor  # [num_reqs, max_blocks]
+    query_start_loc: torch.Tensor  # [num_reqs + 1] request i's tokens are rows [start[i], start[i + 1])
+    seq_lens: torch.Tensor  # [num_reqs] keys of each request once this step's K/V is written
+
+
+@dataclass
 class AttentionMetadata:
+    """Either `kernel` (the CPU kernel takes every token at once), or the decode batches and
+    prefill spans of the PyTorch path."""
+
     slot_mapping: torch.Tensor  # [num_tokens] where each token's K/V is written
     decode_batches: list[DecodeBatch]
     prefills: list[PrefillSpan]
+    kernel: PagedKernelInput | None = None

@@ -1,15 +1,17 @@
-"""Attention over the paged KV cache: PyTorch ops, and the C++ decode kernel on CPU.
+"""Attention over the paged KV cache: the C++ kernel on CPU, PyTorch ops elsewhere.
 
 Every layer first writes the step's new K/V into their slots, then reads:
-- decodes on CPU (float32, bfloat16 or float16 queries): one call of the C++ kernel in
-  cpu_kernel.py, which reads each request's blocks where they lie, 8-bit rows included;
-- decodes elsewhere, batched: the blocks of all decoding requests are gathered in one index_select
+- on CPU (float32, bfloat16 or float16 models): one call of the kernel in cpu_kernel.py for
+  every token of the step, decodes and prefill chunks alike, reading each request's blocks where
+  they lie (8-bit rows included). Each token's arithmetic is the same however the step was made,
+  so chunked, prefix-cached and batched runs agree bit for bit.
+- elsewhere, decodes batched: the blocks of all decoding requests are gathered in one index_select
   ([batch, max_blocks * block_size, kv_heads, head_dim]) and attended in one SDPA call,
   padding masked out. The q heads that share a KV head are laid out as that head's query
   rows ([batch, kv_heads, group, head_dim]), which is exact for a single query position
   and avoids expanding K/V for grouped-query attention.
-- prefills, one SDPA call per request chunk: causal over its own tokens, plus the context
-  already in the cache (earlier chunks or prefix-cache hits) when there is one.
+- elsewhere, prefills: one SDPA call per request chunk: causal over its own tokens, plus the
+  context already in the cache (earlier chunks or prefix-cache hits) when there is one.
 
 An 8-bit cache (kv_quant.py) is quantized on write and dequantized where blocks are gathered;
 its byte moves go through uint8 views, since not every device copies float8 by index.
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from pagedllm.attention import cpu_kernel
 from pagedllm.attention.kv_quant import dequantize, is_quantized, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
+
 
 def write_kv(
     k_cache: torch.Tensor,
@@ -62,6 +65,10 @@ def paged_attention(
     """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]."""
     key_rows, value_rows = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
+    if (kernel := metadata.kernel) is not None:
+        return cpu_kernel.paged_attention(
+            query, k_cache, v_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, scale
+        )
     if is_quantized(k_cache) and metadata.prefills:
         # Attention sees K/V only as the cache holds them, so a prompt scores the same in one
         # chunk, in several, or after a prefix-cache hit (the last two read the cache anyway).
@@ -69,21 +76,13 @@ def paged_attention(
         value = dequantize(value_rows, v_cache.dtype, query.dtype)
     output = torch.empty_like(query)
     for batch in metadata.decode_batches:
-        output[batch.token_indices] = _decode(query[batch.token_indices], k_cache, v_cache, batch, scale)
+        output[batch.token_indices] = decode_gathered(
+            query[batch.token_indices], k_cache, v_cache, batch, scale
+        )
     for span in metadata.prefills:
         rows = slice(span.token_start, span.token_end)
-        output[rows] = _prefill(query[rows], key[rows], value[rows], k_cache, v_cache, span, scale)
+        output[rows] = prefill_gathered(query[rows], key[rows], value[rows], k_cache, v_cache, span, scale)
     return output
-
-
-def _decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
-) -> torch.Tensor:
-    if cpu_kernel.can_decode(query, k_cache):
-        return cpu_kernel.paged_decode_attention(
-            query, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale
-        )
-    return decode_gathered(query, k_cache, v_cache, batch, scale)
 
 
 def decode_gathered(
@@ -104,7 +103,7 @@ def decode_gathered(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _prefill(
+def prefill_gathered(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
+from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PagedKernelInput, PrefillSpan
 from pagedllm.core.outputs import ScheduledRequest
 
 # Decodes are grouped by context length so one long request does not make every short one
@@ -36,9 +36,14 @@ class ModelInput:
 
 
 def build_model_input(
-    scheduled: list[ScheduledRequest], block_size: int, device: torch.device, dtype: torch.dtype
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    paged_kernel: bool = False,
 ) -> ModelInput:
-    """dtype: the model's, for the additive attention masks."""
+    """dtype: the model's, for the additive attention masks. paged_kernel: attention runs in the
+    CPU kernel (metadata for it alone), else in PyTorch ops (decode batches, prefill spans)."""
     num_reqs = len(scheduled)
     counts = [s.num_scheduled_tokens for s in scheduled]
     starts = [s.num_computed_tokens for s in scheduled]
@@ -58,23 +63,21 @@ def build_model_input(
 
     input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long)
     row_offset_list = row_offsets.tolist()
-    decode_reqs = [i for i in range(num_reqs) if counts[i] == 1]
-    decode_batches = [
-        _decode_batch(group, row_offset_list, seq_lens, block_tables, block_size, device)
-        for group in _group_by_length(decode_reqs, seq_lens)
-    ]
-    prefills = [
-        _prefill_span(i, row_offset_list[i], counts[i], starts[i], block_tables, block_size, device, dtype)
-        for i in range(num_reqs)
-        if counts[i] > 1
-    ]
+    if paged_kernel:  # one call takes every token: no groups, spans or masks to build
+        query_start_loc = torch.cat([row_offsets, torch.tensor([num_tokens])])
+        kernel = PagedKernelInput(block_tables, query_start_loc, torch.tensor(seq_lens))
+        attn_metadata = AttentionMetadata(slot_mapping.to(device), [], [], kernel)
+    else:
+        attn_metadata = _pytorch_metadata(
+            slot_mapping, counts, starts, seq_lens, row_offset_list, block_tables, block_size, device, dtype
+        )
     sampled_idx = [i for i in range(num_reqs) if scheduled[i].do_sample]
     logits_indices = torch.tensor([row_offset_list[i] + counts[i] - 1 for i in sampled_idx], dtype=torch.long)
 
     return ModelInput(
         input_ids=input_ids.to(device),
         positions=positions.to(device),
-        attn_metadata=AttentionMetadata(slot_mapping.to(device), decode_batches, prefills),
+        attn_metadata=attn_metadata,
         logits_indices=logits_indices.to(device),
         sampled=[scheduled[i] for i in sampled_idx],
         prompt_scoring=[
@@ -84,6 +87,31 @@ def build_model_input(
             and s.num_computed_tokens < len(s.prompt_token_ids) - 1
         ],
     )
+
+
+def _pytorch_metadata(
+    slot_mapping: torch.Tensor,
+    counts: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    row_offsets: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> AttentionMetadata:
+    """Decode batches grouped by length and one span per prefill chunk, for the PyTorch path."""
+    decode_reqs = [i for i in range(len(counts)) if counts[i] == 1]
+    decode_batches = [
+        _decode_batch(group, row_offsets, seq_lens, block_tables, block_size, device)
+        for group in _group_by_length(decode_reqs, seq_lens)
+    ]
+    prefills = [
+        _prefill_span(i, row_offsets[i], counts[i], starts[i], block_tables, block_size, device, dtype)
+        for i in range(len(counts))
+        if counts[i] > 1
+    ]
+    return AttentionMetadata(slot_mapping.to(device), decode_batches, prefills)
 
 
 def _group_by_length(req_indices: list[int], seq_lens: list[int]) -> list[list[int]]:

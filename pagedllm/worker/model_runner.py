@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from pagedllm.attention import cpu_kernel
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
@@ -38,6 +39,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
+        # attention in the CPU kernel, else in PyTorch ops: decided once, from the model and cache
+        dtype = model.embed_tokens.weight.dtype
+        self.paged_kernel = cpu_kernel.serves(device, dtype, kv_caches[0][0].dtype, model.config.head_dim)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -45,7 +49,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         model_input = build_model_input(
-            scheduler_output.scheduled, self.block_size, self.device, self.model.embed_tokens.weight.dtype
+            scheduler_output.scheduled,
+            self.block_size,
+            self.device,
+            self.model.embed_tokens.weight.dtype,
+            self.paged_kernel,
         )
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.model.config import ModelConfig
@@ -57,8 +56,6 @@ class Worker:
             keep_freed_memory()
         self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
         self.packed_copy_bytes = self.model.pack_weights()
-        if self.device.type == "cpu" and cpu_kernel.is_built():
-            logger.info("Decode attention: C++ kernel reading the paged KV cache in place")
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take on this device."""
@@ -72,6 +69,8 @@ class Worker:
         assert self.model is not None
         kv_caches = allocate_kv_caches(plan.spec, plan.num_blocks, self.device)
         self.runner = ModelRunner(self.model, kv_caches, plan.spec.block_size, self.device, self.config.seed)
+        if self.runner.paged_kernel:
+            logger.info("Attention: C++ kernel reading the paged KV cache in place (decodes and prefills)")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache() first"

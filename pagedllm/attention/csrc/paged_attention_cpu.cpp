@@ -1,0 +1,428 @@
+// Attention read straight from the paged KV cache, on CPU: decodes and prefill chunks alike.
+//
+// Every query token of a step, of every request, attends the keys of its own request up to its
+// own position, all of them read from the cache where they lie (a step writes its K/V first):
+// no gather, no padding, no mask. A task is one KV head and a tile of up to 16 consecutive
+// tokens of one request; all the tile's queries (tokens x the query heads sharing the KV head)
+// share each key and value row as it is loaded. Scores go 8 keys at a time (8 independent
+// multiply-add chains), softmax is vectorized, and values are summed 8 floats at a time with one
+// accumulator per query kept in registers.
+//
+// Each query's arithmetic (its scores, softmax and weighted sum, all in float32, in the same
+// order) is the same whatever tile or step it is computed in, so a token's output does not depend
+// on how the prompt was chunked, whether a prefix came from the cache, or what else was batched:
+// those paths agree bit for bit. A bfloat16 / float16 row is widened as it is read; an 8-bit row
+// likewise, with its scale applied to the sums, not to each value (a quarter of float32's bytes).
+// AVX2 + FMA (+ F16C) paths where the compiler targets them (-march=native), plain loops elsewhere.
+//
+// Shapes: query [num_tokens, num_heads, head_dim] float32, each request's tokens contiguous;
+// k_cache / v_cache [num_blocks, block_size, num_kv_heads, row] with row = head_dim (float32,
+// bfloat16, float16) or head_dim + 2 (int8 / fp8 values, then a float16 scale); block_tables
+// [num_seqs, max_blocks], query_start_loc [num_seqs + 1] (request s has tokens
+// query_start_loc[s] .. query_start_loc[s + 1]) and seq_lens [num_seqs] (its keys once this step's
+// are written), int64. Returns [num_tokens, num_heads, head_dim] float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <c10/util/bit_cast.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2 1
+#else
+#define PAGEDLLM_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 8;  // one AVX2 register of floats; head_dim is a multiple of it
+
+// Lane-wise partial sums, so the compiler vectorizes without reordering any single sum.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {};
+  for (int64_t i = 0; i < n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];
+  float sum = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
+  return sum;
+}
+
+inline void add_scaled(float* acc, float weight, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += weight * x[i];
+}
+
+// exp(x) for the softmax's x - max <= 0: 2^k * p(r) with Cephes' expf polynomial (~1 ulp),
+// branch-free so loops over it vectorize. x is clamped above float's smallest normal, since a
+// subnormal weight would only slow every product it enters.
+inline float exp_nonpositive(float x) {
+  x = x > -87.f ? x : -87.f;
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and removing it rounds to an integer
+  const float k = (x * 1.44269504088896341f + kRound) - kRound;
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * c10::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+}
+
+// Softmax numerators in place, exp(x - max(x)); returns their sum, or NaN when a score is
+// NaN or infinite (as SDPA's softmax would give), with the numerators zeroed.
+inline float softmax_numerators(float* x, int64_t n) {
+  const int64_t whole = n - n % kLanes;
+  float lanes[kLanes], finite_check[kLanes] = {};  // x - x: 0 for finite x, NaN otherwise
+  std::fill(lanes, lanes + kLanes, x[0]);
+  for (int64_t t = 0; t < whole; t += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
+      finite_check[j] += x[t + j] - x[t + j];
+    }
+  float max_value = *std::max_element(lanes, lanes + kLanes), check = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) check += finite_check[j];
+  for (int64_t t = whole; t < n; ++t) {
+    max_value = std::max(max_value, x[t]);
+    check += x[t] - x[t];
+  }
+  if (!(check == 0.f)) {
+    std::fill(x, x + n, 0.f);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  std::fill(lanes, lanes + kLanes, 0.f);
+  for (int64_t t = 0; t < whole; t += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += (x[t + j] = exp_nonpositive(x[t + j] - max_value));
+  float sum = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
+  for (int64_t t = whole; t < n; ++t) sum += (x[t] = exp_nonpositive(x[t] - max_value));
+  return sum;
+}
+
+// A float32 cache row is read where it lies.
+struct FloatRow {
+  static const float* values(const uint8_t* row, int64_t /*head_dim*/, float* /*buffer*/) {
+    return reinterpret_cast<const float*>(row);
+  }
+  static float scale(const uint8_t* /*row*/, int64_t /*head_dim*/) { return 1.f; }
+#if PAGEDLLM_AVX2
+  static __m256 load8(const uint8_t* row, int64_t d) { return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d); }
+#endif
+};
+
+// A 16-bit float row (bfloat16 or float16), widened to float32 as it is read.
+template <typename T>
+struct HalfWidthRow {
+  static const float* values(const uint8_t* row, int64_t head_dim, float* buffer) {
+    const T* x = reinterpret_cast<const T*>(row);
+    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = static_cast<float>(x[d]);
+    return buffer;
+  }
+  static float scale(const uint8_t* /*row*/, int64_t /*head_dim*/) { return 1.f; }
+#if PAGEDLLM_AVX2
+  static __m256 load8(const uint8_t* row, int64_t d) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d * 2));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // a bfloat16 is the top half of a float32
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+    } else {
+      return _mm256_cvtph_ps(halves);
+    }
+  }
+#endif
+};
+
+// Every float8 value by its byte, filled when the library loads (no guard on each use).
+template <typename T>
+const std::array<float, 256> kFloat8Values = [] {
+  std::array<float, 256> values;
+  for (int i = 0; i < 256; ++i) values[i] = static_cast<float>(c10::bit_cast<T>(static_cast<uint8_t>(i)));
+  return values;
+}();
+
+// An 8-bit row: head_dim values of T, then a float16 scale, x_d = value_d * scale. The values
+// are widened once into a small buffer that the query heads sharing the row then read; the
+// scale moves out of the sums (q . x = scale * (q . values)).
+template <typename T>
+struct QuantizedRow {
+  // float8 widens through a 256-entry table: c10's conversion works bit by bit, ~20x slower.
+  static float widen(uint8_t byte) {
+    if constexpr (std::is_same_v<T, int8_t>) {
+      return static_cast<float>(static_cast<int8_t>(byte));
+    } else {
+      return kFloat8Values<T>[byte];
+    }
+  }
+  static const float* values(const uint8_t* row, int64_t head_dim, float* buffer) {
+    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = widen(row[d]);
+    return buffer;
+  }
+  static float scale(const uint8_t* row, int64_t head_dim) {
+    c10::Half scale;
+    std::memcpy(&scale, row + head_dim, sizeof(scale));
+    return static_cast<float>(scale);
+  }
+#if PAGEDLLM_AVX2
+  static __m256 load8(const uint8_t* row, int64_t d) {
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    } else {
+      alignas(32) float widened[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) widened[j] = widen(row[d + j]);
+      return _mm256_load_ps(widened);
+    }
+  }
+#endif
+};
+
+#if PAGEDLLM_AVX2
+// q . rows[i] for 8 rows at once: eight independent multiply-add chains, then one
+// transpose-and-add that leaves row i's sum in lane i (no horizontal sum per row). Every row's
+// sum takes the same path whatever its lane, so a score does not depend on which 8 keys it was
+// computed with: that is what makes a row's output independent of how a step is split.
+template <typename Row>
+inline __m256 dot8(const float* q, const uint8_t* const* rows, int64_t head_dim) {
+  __m256 acc[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    const __m256 q8 = _mm256_loadu_ps(q + d);
+    for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm256_fmadd_ps(q8, Row::load8(rows[i], d), acc[i]);
+  }
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  // s0123 = [rows 0-3, lanes 0-3 summed | rows 0-3, lanes 4-7 summed]; likewise s4567
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// out[g] += sum_t weights[t * stride + g] * rows[t] for Group queries, 8 output floats at a time
+// with the Group accumulators in registers: each row chunk is loaded once for all of them. A
+// query's sum runs over t in order from zero whatever Group is, so it does not depend on the
+// queries it was grouped with.
+template <typename Row, int64_t Group>
+void weighted_sum(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len, int64_t head_dim,
+                  float* out) {
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    __m256 acc[Group];
+    for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const __m256 x = Row::load8(rows[t], d);
+      for (int64_t g = 0; g < Group; ++g)
+        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[t * stride + g]), x, acc[g]);
+    }
+    for (int64_t g = 0; g < Group; ++g) _mm256_storeu_ps(out + g * head_dim + d, acc[g]);
+  }
+}
+
+template <typename Row>
+void weighted_sum_up_to_8(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
+                          int64_t head_dim, int64_t group, float* out) {
+  switch (group) {
+    case 1: weighted_sum<Row, 1>(weights, stride, rows, len, head_dim, out); break;
+    case 2: weighted_sum<Row, 2>(weights, stride, rows, len, head_dim, out); break;
+    case 3: weighted_sum<Row, 3>(weights, stride, rows, len, head_dim, out); break;
+    case 4: weighted_sum<Row, 4>(weights, stride, rows, len, head_dim, out); break;
+    case 5: weighted_sum<Row, 5>(weights, stride, rows, len, head_dim, out); break;
+    case 6: weighted_sum<Row, 6>(weights, stride, rows, len, head_dim, out); break;
+    case 7: weighted_sum<Row, 7>(weights, stride, rows, len, head_dim, out); break;
+    default: weighted_sum<Row, 8>(weights, stride, rows, len, head_dim, out);
+  }
+}
+#endif
+
+// The same in plain loops (no AVX2), one query at a time.
+template <typename Row>
+void weighted_sum_plain(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
+                        int64_t head_dim, int64_t group, float* out, float* row_buffer) {
+  std::fill(out, out + group * head_dim, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* x = Row::values(rows[t], head_dim, row_buffer);
+    for (int64_t g = 0; g < group; ++g) add_scaled(out + g * head_dim, weights[t * stride + g], x, head_dim);
+  }
+}
+
+constexpr int64_t kTileRows = 16;  // query tokens of one sequence that share a task (and its key loads)
+
+// One task: a KV head and a tile of consecutive query tokens of one sequence. Token i of a
+// sequence computing n tokens this step attends keys 0 .. seq_len - n + i (causal; its own K/V
+// is already in the cache). The tile's queries (rows x the query heads of this KV head) share
+// each key and value row as it is loaded. Each query's scores, softmax and weighted sum are
+// computed exactly as they would be alone: one token's output never depends on the step's split.
+struct Tile {
+  int64_t seq, first_row, num_rows, first_len;  // first_len: keys the tile's first token attends
+};
+
+template <typename Row>
+void attend(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* block_tables,
+            const std::vector<Tile>& tiles, float* out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+            int64_t block_size, int64_t row_bytes, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
+  const int64_t token_stride = num_kv_heads * row_bytes;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, weights, row_buffer(head_dim), acc(kLanes * head_dim), inv_sums;
+    std::vector<int64_t> lens;  // keys each query attends
+    std::vector<const float*> queries;
+    std::vector<const uint8_t*> k_rows, v_rows;  // the tile's cached rows, in token order
+    for (int64_t task = begin; task < end; ++task) {
+      // head-major, so each thread's share of tasks spans short and long sequences alike
+      const int64_t kv_head = task / num_tiles;
+      const Tile& tile = tiles[task % num_tiles];
+      const int64_t max_len = tile.first_len + tile.num_rows - 1;  // the tile's last token's keys
+      const int64_t num_queries = tile.num_rows * group;  // query q: token q / group, head q % group
+      queries.resize(num_queries);
+      lens.resize(num_queries);
+      for (int64_t q = 0; q < num_queries; ++q) {
+        const int64_t row = tile.first_row + q / group;
+        queries[q] = query + (row * num_heads + kv_head * group + q % group) * head_dim;
+        lens[q] = tile.first_len + q / group;
+      }
+      // Rows up to a multiple of 8 (padded with the last row, whose extra scores are never used),
+      // so every score comes from dot8.
+      const int64_t padded = (max_len + kLanes - 1) / kLanes * kLanes;
+      k_rows.resize(padded);
+      v_rows.resize(max_len);
+      const int64_t* table = block_tables + tile.seq * max_blocks;
+      for (int64_t t = 0, b = 0; t < max_len; ++b) {  // one table lookup per block
+        const int64_t offset = table[b] * block_stride + kv_head * row_bytes;
+        for (int64_t i = 0; i < block_size && t < max_len; ++i, ++t) {
+          k_rows[t] = k_cache + offset + i * token_stride;
+          v_rows[t] = v_cache + offset + i * token_stride;
+        }
+      }
+      std::fill(k_rows.begin() + max_len, k_rows.end(), k_rows[max_len - 1]);
+      scores.resize(num_queries * padded);  // [query, key]
+#if PAGEDLLM_AVX2
+      for (int64_t t = 0; t < padded; t += kLanes) {
+        alignas(32) float row_scales[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) row_scales[i] = Row::scale(k_rows[t + i], head_dim) * scale;
+        const __m256 scales = _mm256_load_ps(row_scales);
+        for (int64_t q = 0; q < num_queries; ++q) {
+          if (t >= lens[q]) continue;  // keys past this query's own
+          const __m256 dots = dot8<Row>(queries[q], k_rows.data() + t, head_dim);
+          _mm256_storeu_ps(scores.data() + q * padded + t, _mm256_mul_ps(dots, scales));
+        }
+      }
+#else
+      for (int64_t t = 0; t < max_len; ++t) {
+        const float* k = Row::values(k_rows[t], head_dim, row_buffer.data());
+        const float k_scale = Row::scale(k_rows[t], head_dim) * scale;
+        for (int64_t q = 0; q < num_queries; ++q)
+          if (t < lens[q]) scores[q * padded + t] = dot(queries[q], k, head_dim) * k_scale;
+      }
+#endif
+      inv_sums.resize(num_queries);
+      for (int64_t q = 0; q < num_queries; ++q)
+        inv_sums[q] = 1.f / softmax_numerators(scores.data() + q * padded, lens[q]);
+      // value weights, token-major: softmax numerator x the value row's scale; zero past a query's keys
+      weights.assign(max_len * num_queries, 0.f);
+      for (int64_t t = 0; t < max_len; ++t) {
+        const float v_scale = Row::scale(v_rows[t], head_dim);
+        for (int64_t q = 0; q < num_queries; ++q)
+          if (t < lens[q]) weights[t * num_queries + q] = scores[q * padded + t] * v_scale;
+      }
+      for (int64_t q0 = 0; q0 < num_queries; q0 += kLanes) {
+        const int64_t count = std::min(kLanes, num_queries - q0);
+        const int64_t len = lens[q0 + count - 1];  // the longest of these
+#if PAGEDLLM_AVX2
+        weighted_sum_up_to_8<Row>(weights.data() + q0, num_queries, v_rows.data(), len, head_dim, count, acc.data());
+#else
+        weighted_sum_plain<Row>(weights.data() + q0, num_queries, v_rows.data(), len, head_dim, count, acc.data(),
+                                row_buffer.data());
+#endif
+        for (int64_t g = 0; g < count; ++g) {
+          const int64_t q = q0 + g;
+          float* o = out + ((tile.first_row + q / group) * num_heads + kv_head * group + q % group) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv_sums[q];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3, "query: [num_tokens, num_heads, head_dim] float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache: contiguous [num_blocks, block_size, num_kv_heads, row], same shape");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
+              "block_tables, query_start_loc and seq_lens: int64");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache: [num_blocks, block_size, num_kv_heads, row] of one dtype");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(num_kv_heads > 0 && head_dim % kLanes == 0 && num_heads % num_kv_heads == 0,
+              "head_dim % 8 and num_heads % num_kv_heads");
+  const auto cache_type = k_cache.scalar_type();
+  const bool quantized = cache_type != at::kFloat && cache_type != at::kBFloat16 && cache_type != at::kHalf;
+  TORCH_CHECK(k_cache.size(3) == head_dim + (quantized ? 2 : 0),
+              "k_cache rows: head_dim values, plus 2 scale bytes when 8-bit");
+  const at::Tensor q = query.contiguous(), tables = block_tables.contiguous();
+  const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
+  const int64_t num_seqs = lens.numel();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && starts.numel() == num_seqs + 1,
+              "block_tables: [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]");
+  // Every row read must lie inside the cache: lengths within the table, block ids within the
+  // cache, each sequence's query tokens within the query and its own length.
+  const int64_t max_len = tables.size(1) * block_size, num_blocks = k_cache.size(0);
+  const int64_t* lens_data = lens.data_ptr<int64_t>();
+  const int64_t* starts_data = starts.data_ptr<int64_t>();
+  const int64_t* tables_data = tables.data_ptr<int64_t>();
+  TORCH_CHECK(starts_data[0] == 0 && starts_data[num_seqs] == num_tokens, "query_start_loc must run 0 .. num_tokens");
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first = starts_data[s], rows = starts_data[s + 1] - first, len = lens_data[s];
+    TORCH_CHECK(rows >= 1 && rows <= len, "sequence ", s, ": ", rows, " query tokens for ", len, " keys");
+    TORCH_CHECK(len <= max_len, "seq_lens[", s, "] = ", len, " is past the block table's ", max_len, " slots");
+    for (int64_t b = 0; b * block_size < len; ++b) {
+      const int64_t block_id = tables_data[s * tables.size(1) + b];
+      TORCH_CHECK(block_id >= 0 && block_id < num_blocks, "block_tables[", s, "][", b, "] = ", block_id,
+                  " is not a block of the cache");
+    }
+    for (int64_t r = 0; r < rows; r += kTileRows)
+      tiles.push_back({s, first + r, std::min(kTileRows, rows - r), len - rows + r + 1});
+  }
+  at::Tensor out = at::empty_like(q);
+  const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
+  auto run = [&](auto row_kind) {
+    using Row = decltype(row_kind);
+    attend<Row>(q.data_ptr<float>(), static_cast<const uint8_t*>(k_cache.data_ptr()),
+                static_cast<const uint8_t*>(v_cache.data_ptr()), tables_data, tiles, out.data_ptr<float>(), num_heads,
+                num_kv_heads, head_dim, block_size, row_bytes, tables.size(1), static_cast<float>(scale));
+  };
+  switch (cache_type) {
+    case at::kFloat: run(FloatRow{}); break;
+    case at::kBFloat16: run(HalfWidthRow<c10::BFloat16>{}); break;
+    case at::kHalf: run(HalfWidthRow<c10::Half>{}); break;
+    case at::kChar: run(QuantizedRow<int8_t>{}); break;
+    case at::kFloat8_e4m3fn: run(QuantizedRow<c10::Float8_e4m3fn>{}); break;
+    case at::kFloat8_e5m2: run(QuantizedRow<c10::Float8_e5m2>{}); break;
+    default: TORCH_CHECK(false, "paged_attention: no kernel for a ", cache_type, " cache");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}
