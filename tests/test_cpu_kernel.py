@@ -98,10 +98,13 @@ def test_caches_of_different_dtypes_are_refused():
         )
 
 
-def _prefill_case(seed: int, cache_dtype: str, rows: list[int], contexts: list[int], block_size: int = 4):
-    """Requests computing rows[i] tokens after contexts[i] cached ones, in scattered blocks."""
+def _prefill_case(
+    seed: int, cache_dtype: str, rows: list[int], contexts: list[int], head_dim: int = 64, block_size: int = 4
+):
+    """Requests computing rows[i] tokens after contexts[i] cached ones, in scattered blocks.
+    head_dim 64 takes the kernel's AVX-512 path where the CPU has one; 16 the AVX2 path."""
     gen = torch.Generator().manual_seed(seed)
-    num_kv_heads, group, head_dim, num_blocks = 2, 3, 16, 96
+    num_kv_heads, group, num_blocks = 2, 3, 96
     seq_lens = torch.tensor(rows) + torch.tensor(contexts)
     max_blocks = -(-int(seq_lens.max()) // block_size)
     tables = (torch.randperm(num_blocks, generator=gen)[: len(rows) * max_blocks]).view(len(rows), max_blocks)
@@ -114,10 +117,11 @@ def _prefill_case(seed: int, cache_dtype: str, rows: list[int], contexts: list[i
     return query, k, v, tables, starts, seq_lens
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
-def test_prefill_chunks_equal_causal_sdpa_over_the_gathered_context(cache_dtype):
+def test_prefill_chunks_equal_causal_sdpa_over_the_gathered_context(cache_dtype, head_dim):
     rows, contexts = [1, 7, 33, 16, 2], [0, 0, 5, 40, 9]  # decodes, fresh prompts, chunks after a context
-    query, k, v, tables, starts, seq_lens = _prefill_case(3, cache_dtype, rows, contexts)
+    query, k, v, tables, starts, seq_lens = _prefill_case(3, cache_dtype, rows, contexts, head_dim)
     got = cpu_kernel.paged_attention(query, k, v, tables, starts, seq_lens, 0.25)
     for i, (n, context) in enumerate(zip(rows, contexts, strict=True)):
         visible = torch.arange(context + n)[None, :] <= torch.arange(context, context + n)[:, None]
@@ -127,15 +131,15 @@ def test_prefill_chunks_equal_causal_sdpa_over_the_gathered_context(cache_dtype)
         torch.testing.assert_close(got[starts[i] : starts[i + 1]], expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), cut=st.integers(1, 44), data=st.data())
-def test_a_tokens_output_is_the_same_however_the_step_is_split(cache_dtype, seed, cut, data):
+def test_a_tokens_output_is_the_same_however_the_step_is_split(cache_dtype, head_dim, seed, cut, data):
     """45 tokens of one request: in one call, in two chunks split at `cut`, one by one, or beside
     other requests; every token's output is bit for bit the same."""
-    query, k, v, tables, _, _ = _prefill_case(
-        seed, "float32" if cache_dtype == "bfloat16" else cache_dtype, [45], [0]
-    )
+    source_dtype = "float32" if cache_dtype == "bfloat16" else cache_dtype
+    query, k, v, tables, _, _ = _prefill_case(seed, source_dtype, [45], [0], head_dim)
     if cache_dtype == "bfloat16":
         query, k, v = query.bfloat16(), k.bfloat16(), v.bfloat16()
     table = tables[:1]

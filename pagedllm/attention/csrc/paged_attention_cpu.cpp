@@ -45,6 +45,11 @@
 #else
 #define PAGEDLLM_AVX2 0
 #endif
+#if PAGEDLLM_AVX2 && defined(__AVX512F__)
+#define PAGEDLLM_AVX512 1
+#else
+#define PAGEDLLM_AVX512 0
+#endif
 
 namespace {
 
@@ -121,6 +126,11 @@ struct FloatRow {
 #if PAGEDLLM_AVX2
   static __m256 load8(const uint8_t* row, int64_t d) { return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d); }
 #endif
+#if PAGEDLLM_AVX512
+  static __m512 load16(const uint8_t* row, int64_t d) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + d);
+  }
+#endif
 };
 
 // A 16-bit float row (bfloat16 or float16), widened to float32 as it is read.
@@ -140,6 +150,16 @@ struct HalfWidthRow {
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
     } else {
       return _mm256_cvtph_ps(halves);
+    }
+  }
+#endif
+#if PAGEDLLM_AVX512
+  static __m512 load16(const uint8_t* row, int64_t d) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d * 2));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+    } else {
+      return _mm512_cvtph_ps(halves);
     }
   }
 #endif
@@ -187,6 +207,17 @@ struct QuantizedRow {
     }
   }
 #endif
+#if PAGEDLLM_AVX512
+  static __m512 load16(const uint8_t* row, int64_t d) {
+    if constexpr (std::is_same_v<T, int8_t>) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+    } else {
+      alignas(64) float widened[16];
+      for (int64_t j = 0; j < 16; ++j) widened[j] = widen(row[d + j]);
+      return _mm512_load_ps(widened);
+    }
+  }
+#endif
 };
 
 #if PAGEDLLM_AVX2
@@ -209,7 +240,7 @@ inline __m256 dot8(const float* q, const uint8_t* const* rows, int64_t head_dim)
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// out[g] += sum_t weights[t * stride + g] * rows[t] for Group queries, 8 output floats at a time
+// out[g] += sum_t weights[g * stride + t] * rows[t] for Group queries, 8 output floats at a time
 // with the Group accumulators in registers: each row chunk is loaded once for all of them. A
 // query's sum runs over t in order from zero whatever Group is, so it does not depend on the
 // queries it was grouped with.
@@ -222,7 +253,7 @@ void weighted_sum(const float* weights, int64_t stride, const uint8_t* const* ro
     for (int64_t t = 0; t < len; ++t) {
       const __m256 x = Row::load8(rows[t], d);
       for (int64_t g = 0; g < Group; ++g)
-        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[t * stride + g]), x, acc[g]);
+        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g * stride + t]), x, acc[g]);
     }
     for (int64_t g = 0; g < Group; ++g) _mm256_storeu_ps(out + g * head_dim + d, acc[g]);
   }
@@ -244,6 +275,81 @@ void weighted_sum_up_to_8(const float* weights, int64_t stride, const uint8_t* c
 }
 #endif
 
+#if PAGEDLLM_AVX512
+// AVX-512, where head_dim is a multiple of 64 (this CPU has it and the model allows it). Rows
+// that are not float32 are first widened into float32 buffers, once per task, so the queries
+// that share them read plain floats (and the multiply-adds take them straight from memory).
+
+// q . rows[i] for 8 float32 rows: 16 floats per multiply-add, each row's lanes folded to 8 and
+// then summed by the same transpose-and-add as dot8: every row's sum takes the same path.
+inline __m256 dot8_avx512(const float* q, const float* const* rows, int64_t head_dim) {
+  __m512 acc[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    const __m512 q16 = _mm512_loadu_ps(q + d);
+    for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_fmadd_ps(q16, _mm512_loadu_ps(rows[i] + d), acc[i]);
+  }
+  __m256 half[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i)
+    half[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(half[4], half[5]), _mm256_hadd_ps(half[6], half[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// out[g] = sum_t weights[g * stride + t] * rows[t] for Group <= 4 queries, 64 output floats at a
+// time with 4 x Group accumulators in registers; each query's sum runs over t in order from zero.
+// Rows are read through Row (widened as loaded), or as float32 rows already widened.
+template <typename Row, int64_t Group>
+void weighted_sum_avx512(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
+                         int64_t head_dim, float* out) {
+  for (int64_t d = 0; d < head_dim; d += 64) {
+    __m512 acc[Group][4];
+    for (int64_t g = 0; g < Group; ++g)
+      for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      __m512 x[4];
+      for (int64_t c = 0; c < 4; ++c) x[c] = Row::load16(rows[t], d + 16 * c);
+      for (int64_t g = 0; g < Group; ++g) {
+        const __m512 w = _mm512_set1_ps(weights[g * stride + t]);
+        for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, x[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < Group; ++g)
+      for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * head_dim + d + 16 * c, acc[g][c]);
+  }
+}
+
+template <typename Row>
+void weighted_sum_avx512_up_to_4(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
+                                 int64_t head_dim, int64_t group, float* out) {
+  switch (group) {
+    case 1: weighted_sum_avx512<Row, 1>(weights, stride, rows, len, head_dim, out); break;
+    case 2: weighted_sum_avx512<Row, 2>(weights, stride, rows, len, head_dim, out); break;
+    case 3: weighted_sum_avx512<Row, 3>(weights, stride, rows, len, head_dim, out); break;
+    default: weighted_sum_avx512<Row, 4>(weights, stride, rows, len, head_dim, out);
+  }
+}
+
+// Float32 views of n cache rows: the rows themselves for a float32 cache, else rows widened into
+// `buffer` (n x head_dim).
+template <typename Row>
+void float_rows(const uint8_t* const* rows, int64_t n, int64_t head_dim, std::vector<float>& buffer,
+                std::vector<const float*>& out) {
+  out.resize(n);
+  if constexpr (std::is_same_v<Row, FloatRow>) {
+    for (int64_t i = 0; i < n; ++i) out[i] = reinterpret_cast<const float*>(rows[i]);
+  } else {
+    buffer.resize(n * head_dim);
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = buffer.data() + i * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, Row::load16(rows[i], d));
+      out[i] = dst;
+    }
+  }
+}
+#endif
+
 // The same in plain loops (no AVX2), one query at a time.
 template <typename Row>
 void weighted_sum_plain(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
@@ -251,7 +357,7 @@ void weighted_sum_plain(const float* weights, int64_t stride, const uint8_t* con
   std::fill(out, out + group * head_dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const float* x = Row::values(rows[t], head_dim, row_buffer);
-    for (int64_t g = 0; g < group; ++g) add_scaled(out + g * head_dim, weights[t * stride + g], x, head_dim);
+    for (int64_t g = 0; g < group; ++g) add_scaled(out + g * head_dim, weights[g * stride + t], x, head_dim);
   }
 }
 
@@ -275,10 +381,16 @@ void attend(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, 
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, weights, row_buffer(head_dim), acc(kLanes * head_dim), inv_sums;
+    std::vector<float> scores, v_scales, row_buffer(head_dim), acc(kLanes * head_dim), inv_sums;
     std::vector<int64_t> lens;  // keys each query attends
     std::vector<const float*> queries;
     std::vector<const uint8_t*> k_rows, v_rows;  // the tile's cached rows, in token order
+#if PAGEDLLM_AVX512
+    const bool wide = head_dim % 64 == 0;
+    std::vector<float> k_widened, v_widened;
+    std::vector<const float*> k_floats, v_floats;  // float32 views of k_rows / v_rows
+    std::vector<const uint8_t*> v_wide_rows;  // v_floats as rows for FloatRow
+#endif
     for (int64_t task = begin; task < end; ++task) {
       // head-major, so each thread's share of tasks spans short and long sequences alike
       const int64_t kv_head = task / num_tiles;
@@ -306,7 +418,26 @@ void attend(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, 
         }
       }
       std::fill(k_rows.begin() + max_len, k_rows.end(), k_rows[max_len - 1]);
+#if PAGEDLLM_AVX2
+      // Ask for every row now: the misses (another layer's rows evicted these from the caches)
+      // then overlap instead of arriving one at a time as the loops below reach them.
+      for (int64_t t = 0; t < max_len; ++t)
+        for (int64_t line = 0; line < row_bytes; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_rows[t] + line), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(v_rows[t] + line), _MM_HINT_T1);
+        }
+#endif
       scores.resize(num_queries * padded);  // [query, key]
+#if PAGEDLLM_AVX512
+      // Values are widened ahead only when several passes of queries will read them.
+      const bool widen_values = wide && num_queries > 4 && !std::is_same_v<Row, FloatRow>;
+      if (wide) float_rows<Row>(k_rows.data(), padded, head_dim, k_widened, k_floats);
+      if (widen_values) {
+        float_rows<Row>(v_rows.data(), max_len, head_dim, v_widened, v_floats);
+        v_wide_rows.resize(max_len);
+        for (int64_t t = 0; t < max_len; ++t) v_wide_rows[t] = reinterpret_cast<const uint8_t*>(v_floats[t]);
+      }
+#endif
 #if PAGEDLLM_AVX2
       for (int64_t t = 0; t < padded; t += kLanes) {
         alignas(32) float row_scales[kLanes];
@@ -314,7 +445,12 @@ void attend(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, 
         const __m256 scales = _mm256_load_ps(row_scales);
         for (int64_t q = 0; q < num_queries; ++q) {
           if (t >= lens[q]) continue;  // keys past this query's own
+#if PAGEDLLM_AVX512
+          const __m256 dots = wide ? dot8_avx512(queries[q], k_floats.data() + t, head_dim)
+                                   : dot8<Row>(queries[q], k_rows.data() + t, head_dim);
+#else
           const __m256 dots = dot8<Row>(queries[q], k_rows.data() + t, head_dim);
+#endif
           _mm256_storeu_ps(scores.data() + q * padded + t, _mm256_mul_ps(dots, scales));
         }
       }
@@ -329,20 +465,38 @@ void attend(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, 
       inv_sums.resize(num_queries);
       for (int64_t q = 0; q < num_queries; ++q)
         inv_sums[q] = 1.f / softmax_numerators(scores.data() + q * padded, lens[q]);
-      // value weights, token-major: softmax numerator x the value row's scale; zero past a query's keys
-      weights.assign(max_len * num_queries, 0.f);
-      for (int64_t t = 0; t < max_len; ++t) {
-        const float v_scale = Row::scale(v_rows[t], head_dim);
+      // Value weights in place of the scores: softmax numerator x the value row's scale (8-bit
+      // rows), zero past a query's own keys.
+      if constexpr (!std::is_same_v<Row, FloatRow> && !std::is_same_v<Row, HalfWidthRow<c10::BFloat16>> &&
+                    !std::is_same_v<Row, HalfWidthRow<c10::Half>>) {
+        v_scales.resize(max_len);
+        for (int64_t t = 0; t < max_len; ++t) v_scales[t] = Row::scale(v_rows[t], head_dim);
         for (int64_t q = 0; q < num_queries; ++q)
-          if (t < lens[q]) weights[t * num_queries + q] = scores[q * padded + t] * v_scale;
+          for (int64_t t = 0; t < lens[q]; ++t) scores[q * padded + t] *= v_scales[t];
       }
-      for (int64_t q0 = 0; q0 < num_queries; q0 += kLanes) {
-        const int64_t count = std::min(kLanes, num_queries - q0);
-        const int64_t len = lens[q0 + count - 1];  // the longest of these
-#if PAGEDLLM_AVX2
-        weighted_sum_up_to_8<Row>(weights.data() + q0, num_queries, v_rows.data(), len, head_dim, count, acc.data());
+      for (int64_t q = 0; q < num_queries; ++q)
+        std::fill(scores.begin() + q * padded + lens[q], scores.begin() + q * padded + max_len, 0.f);
+      const float* weights = scores.data();
+#if PAGEDLLM_AVX512
+      const int64_t per_pass = wide ? 4 : kLanes;  // queries summed at once
 #else
-        weighted_sum_plain<Row>(weights.data() + q0, num_queries, v_rows.data(), len, head_dim, count, acc.data(),
+      const int64_t per_pass = kLanes;
+#endif
+      for (int64_t q0 = 0; q0 < num_queries; q0 += per_pass) {
+        const int64_t count = std::min(per_pass, num_queries - q0);
+        const int64_t len = lens[q0 + count - 1];  // the longest of these
+#if PAGEDLLM_AVX512
+        const float* w = weights + q0 * padded;
+        if (widen_values)
+          weighted_sum_avx512_up_to_4<FloatRow>(w, padded, v_wide_rows.data(), len, head_dim, count, acc.data());
+        else if (wide)
+          weighted_sum_avx512_up_to_4<Row>(w, padded, v_rows.data(), len, head_dim, count, acc.data());
+        else
+          weighted_sum_up_to_8<Row>(w, padded, v_rows.data(), len, head_dim, count, acc.data());
+#elif PAGEDLLM_AVX2
+        weighted_sum_up_to_8<Row>(weights + q0 * padded, padded, v_rows.data(), len, head_dim, count, acc.data());
+#else
+        weighted_sum_plain<Row>(weights + q0 * padded, padded, v_rows.data(), len, head_dim, count, acc.data(),
                                 row_buffer.data());
 #endif
         for (int64_t g = 0; g < count; ++g) {
