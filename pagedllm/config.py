@@ -51,6 +51,20 @@ def parse_memory_size(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def parse_cores(text: str) -> set[int]:
+    """`0-3,6` -> {0, 1, 2, 3, 6}. Raises ValueError naming the bad text."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cores.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"cpu_cores: cannot read {text!r}; use core ids like 0-3,6") from None
+    if not cores:
+        raise ValueError(f"cpu_cores: {text!r} names no core")
+    return cores
+
+
 def _flag(help_text: str, **argparse_kwargs: Any) -> dict[str, Any]:
     return {"help": help_text, **argparse_kwargs}
 
@@ -75,6 +89,16 @@ class EngineConfig:
         ),
     )
     device: Device = field(default="auto", metadata=_flag("auto: cuda when available, else cpu."))
+    num_threads: int | None = field(
+        default=None,
+        metadata=_flag(
+            "CPU: threads for the model's compute. Default: one per core this process may use, "
+            "one fewer for each core other processes keep busy (checked every 2 s)."
+        ),
+    )
+    cpu_cores: str | None = field(
+        default=None, metadata=_flag("CPU: pin the process to these cores, e.g. 0-3 or 0,2,4.")
+    )
     max_model_len: int | None = field(
         default=None,
         metadata=_flag("Longest prompt + output in tokens. Default: the model's own context length."),
@@ -138,6 +162,13 @@ class EngineConfig:
         )
         need(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         need(
+            self.num_threads is None or self.num_threads >= 1,
+            "num_threads",
+            f"must be >= 1, got {self.num_threads}",
+        )
+        if self.cpu_cores is not None:
+            parse_cores(self.cpu_cores)
+        need(
             self.max_model_len is None or self.max_model_len >= 1,
             "max_model_len",
             f"must be >= 1, got {self.max_model_len}",
@@ -184,6 +215,7 @@ _FIELD_TYPES = {
     "prefix_caching_hash_algo": HashAlgo,
 }
 _INT_FIELDS = {
+    "num_threads",
     "max_model_len",
     "block_size",
     "max_num_seqs",

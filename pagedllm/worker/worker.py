@@ -20,6 +20,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_model, resolve_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cpu_allocator import keep_freed_memory
+from pagedllm.worker.cpu_threads import CPUThreads
 from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, allocate_kv_caches
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -44,6 +45,9 @@ class Worker:
         self.model: LlamaForCausalLM | None = None
         self.packed_copy_bytes = 0  # a tied lm_head's oneDNN copy, beside the embedding it shares
         self.runner: ModelRunner | None = None
+        self.cpu_threads = (
+            CPUThreads(config.num_threads, config.cpu_cores) if self.device.type == "cpu" else None
+        )
 
     @property
     def weights_bytes(self) -> int:
@@ -52,8 +56,9 @@ class Worker:
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) - self.packed_copy_bytes
 
     def load_model(self, max_position: int) -> None:
-        if self.device.type == "cpu":
+        if self.cpu_threads is not None:
             keep_freed_memory()
+            self.cpu_threads.start()
         self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
         self.packed_copy_bytes = self.model.pack_weights()
 
@@ -74,6 +79,8 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache() first"
+        if self.cpu_threads is not None:
+            self.cpu_threads.adjust()
         return self.runner.execute_model(scheduler_output)
 
     def _cuda_budget_bytes(self) -> int:
