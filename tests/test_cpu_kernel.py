@@ -161,3 +161,38 @@ def test_a_tokens_output_is_the_same_however_the_step_is_split(cache_dtype, head
         mixed_query, k, v, mixed_tables, starts, torch.tensor([20, 45, 3]), 0.3
     )
     assert torch.equal(mixed[1:46], whole)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+def test_requests_sharing_prefix_blocks_read_them_together_with_the_same_outputs(cache_dtype, block_size):
+    """Decodes of 12 requests whose block tables start with the same blocks (a cached prefix),
+    then diverge: all at once (the kernel reads shared blocks once per task) equals each alone,
+    bit for bit, and equals gather + SDPA."""
+    gen = torch.Generator().manual_seed(7)
+    num_kv_heads, group, head_dim, num_blocks, shared = 2, 3, 64, 200, 5
+    k, v = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in "kv")
+    if cache_dtype == "bfloat16":
+        k, v = k.bfloat16(), v.bfloat16()
+    elif cache_dtype == "int8":
+        k, v = (quantize(x, torch.int8).view(torch.int8) for x in (k, v))
+    seq_lens = shared * block_size + torch.randint(1, 3 * block_size, (12,), generator=gen)
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    own = torch.randperm(num_blocks - shared, generator=gen)[: 12 * max_blocks].view(12, max_blocks) + shared
+    tables = torch.cat([torch.arange(shared).expand(12, shared), own[:, : max_blocks - shared]], dim=1)
+    query = torch.randn(12, num_kv_heads * group, head_dim, generator=gen)
+    if cache_dtype == "bfloat16":
+        query = query.bfloat16()
+    together = cpu_kernel.paged_decode_attention(query, k, v, tables, seq_lens, 0.125)
+    for i in range(12):
+        alone = cpu_kernel.paged_decode_attention(
+            query[i : i + 1], k, v, tables[i : i + 1], seq_lens[i : i + 1], 0.125
+        )
+        assert torch.equal(alone, together[i : i + 1])
+    mask = (torch.arange(max_blocks * block_size)[None, :] < seq_lens[:, None])[:, None, None, :]
+    batch = DecodeBatch(torch.arange(12), tables, seq_lens, mask)
+    if cache_dtype == "bfloat16":
+        expected = decode_gathered(query.float(), k.float(), v.float(), batch, 0.125)
+        torch.testing.assert_close(together.float(), expected, atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(together, decode_gathered(query, k, v, batch, 0.125), atol=2e-5, rtol=2e-5)

@@ -240,37 +240,36 @@ inline __m256 dot8(const float* q, const uint8_t* const* rows, int64_t head_dim)
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// out[g] += sum_t weights[g * stride + t] * rows[t] for Group queries, 8 output floats at a time
-// with the Group accumulators in registers: each row chunk is loaded once for all of them. A
-// query's sum runs over t in order from zero whatever Group is, so it does not depend on the
-// queries it was grouped with.
+// acc[g] += sum_t weights[g][t] * rows[t] for Group queries, 8 output floats at a time with the
+// Group accumulators in registers: each row chunk is loaded once for all of them. A query's sum
+// runs over t in order, continuing from what acc holds, whatever Group is and however its keys
+// are cut into calls: so it does not depend on the queries it was grouped with.
 template <typename Row, int64_t Group>
-void weighted_sum(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                  float* out) {
+void weighted_sum(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
+                  float* const* acc_rows) {
   for (int64_t d = 0; d < head_dim; d += kLanes) {
     __m256 acc[Group];
-    for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_loadu_ps(acc_rows[g] + d);
     for (int64_t t = 0; t < len; ++t) {
       const __m256 x = Row::load8(rows[t], d);
-      for (int64_t g = 0; g < Group; ++g)
-        acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g * stride + t]), x, acc[g]);
+      for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), x, acc[g]);
     }
-    for (int64_t g = 0; g < Group; ++g) _mm256_storeu_ps(out + g * head_dim + d, acc[g]);
+    for (int64_t g = 0; g < Group; ++g) _mm256_storeu_ps(acc_rows[g] + d, acc[g]);
   }
 }
 
 template <typename Row>
-void weighted_sum_up_to_8(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
-                          int64_t head_dim, int64_t group, float* out) {
+void weighted_sum_up_to_8(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
+                          int64_t group, float* const* acc_rows) {
   switch (group) {
-    case 1: weighted_sum<Row, 1>(weights, stride, rows, len, head_dim, out); break;
-    case 2: weighted_sum<Row, 2>(weights, stride, rows, len, head_dim, out); break;
-    case 3: weighted_sum<Row, 3>(weights, stride, rows, len, head_dim, out); break;
-    case 4: weighted_sum<Row, 4>(weights, stride, rows, len, head_dim, out); break;
-    case 5: weighted_sum<Row, 5>(weights, stride, rows, len, head_dim, out); break;
-    case 6: weighted_sum<Row, 6>(weights, stride, rows, len, head_dim, out); break;
-    case 7: weighted_sum<Row, 7>(weights, stride, rows, len, head_dim, out); break;
-    default: weighted_sum<Row, 8>(weights, stride, rows, len, head_dim, out);
+    case 1: weighted_sum<Row, 1>(weights, rows, len, head_dim, acc_rows); break;
+    case 2: weighted_sum<Row, 2>(weights, rows, len, head_dim, acc_rows); break;
+    case 3: weighted_sum<Row, 3>(weights, rows, len, head_dim, acc_rows); break;
+    case 4: weighted_sum<Row, 4>(weights, rows, len, head_dim, acc_rows); break;
+    case 5: weighted_sum<Row, 5>(weights, rows, len, head_dim, acc_rows); break;
+    case 6: weighted_sum<Row, 6>(weights, rows, len, head_dim, acc_rows); break;
+    case 7: weighted_sum<Row, 7>(weights, rows, len, head_dim, acc_rows); break;
+    default: weighted_sum<Row, 8>(weights, rows, len, head_dim, acc_rows);
   }
 }
 #endif
@@ -297,214 +296,315 @@ inline __m256 dot8_avx512(const float* q, const float* const* rows, int64_t head
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// out[g] = sum_t weights[g * stride + t] * rows[t] for Group <= 4 queries, 64 output floats at a
-// time with 4 x Group accumulators in registers; each query's sum runs over t in order from zero.
+// acc[g] += sum_t weights[g][t] * rows[t] for Group <= 4 queries, 64 output floats at a time with
+// 4 x Group accumulators in registers; each query's sum runs over t in order, from what acc holds.
 // Rows are read through Row (widened as loaded), or as float32 rows already widened.
 template <typename Row, int64_t Group>
-void weighted_sum_avx512(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
-                         int64_t head_dim, float* out) {
+void weighted_sum_avx512(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
+                         float* const* acc_rows) {
   for (int64_t d = 0; d < head_dim; d += 64) {
     __m512 acc[Group][4];
     for (int64_t g = 0; g < Group; ++g)
-      for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(acc_rows[g] + d + 16 * c);
     for (int64_t t = 0; t < len; ++t) {
       __m512 x[4];
       for (int64_t c = 0; c < 4; ++c) x[c] = Row::load16(rows[t], d + 16 * c);
       for (int64_t g = 0; g < Group; ++g) {
-        const __m512 w = _mm512_set1_ps(weights[g * stride + t]);
+        const __m512 w = _mm512_set1_ps(weights[g][t]);
         for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, x[c], acc[g][c]);
       }
     }
     for (int64_t g = 0; g < Group; ++g)
-      for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * head_dim + d + 16 * c, acc[g][c]);
+      for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc_rows[g] + d + 16 * c, acc[g][c]);
   }
 }
 
 template <typename Row>
-void weighted_sum_avx512_up_to_4(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
-                                 int64_t head_dim, int64_t group, float* out) {
+void weighted_sum_avx512_up_to_4(const float* const* weights, const uint8_t* const* rows, int64_t len,
+                                 int64_t head_dim, int64_t group, float* const* acc_rows) {
   switch (group) {
-    case 1: weighted_sum_avx512<Row, 1>(weights, stride, rows, len, head_dim, out); break;
-    case 2: weighted_sum_avx512<Row, 2>(weights, stride, rows, len, head_dim, out); break;
-    case 3: weighted_sum_avx512<Row, 3>(weights, stride, rows, len, head_dim, out); break;
-    default: weighted_sum_avx512<Row, 4>(weights, stride, rows, len, head_dim, out);
+    case 1: weighted_sum_avx512<Row, 1>(weights, rows, len, head_dim, acc_rows); break;
+    case 2: weighted_sum_avx512<Row, 2>(weights, rows, len, head_dim, acc_rows); break;
+    case 3: weighted_sum_avx512<Row, 3>(weights, rows, len, head_dim, acc_rows); break;
+    default: weighted_sum_avx512<Row, 4>(weights, rows, len, head_dim, acc_rows);
   }
 }
 
-// Float32 views of n cache rows: the rows themselves for a float32 cache, else rows widened into
-// `buffer` (n x head_dim).
+// Widen n rows into `buffer` (n x head_dim float32) and point `out` at them.
 template <typename Row>
-void float_rows(const uint8_t* const* rows, int64_t n, int64_t head_dim, std::vector<float>& buffer,
-                std::vector<const float*>& out) {
+void widen_rows(const uint8_t* const* rows, int64_t n, int64_t head_dim, std::vector<float>& buffer,
+                std::vector<const uint8_t*>& out) {
+  buffer.resize(n * head_dim);
   out.resize(n);
-  if constexpr (std::is_same_v<Row, FloatRow>) {
-    for (int64_t i = 0; i < n; ++i) out[i] = reinterpret_cast<const float*>(rows[i]);
-  } else {
-    buffer.resize(n * head_dim);
-    for (int64_t i = 0; i < n; ++i) {
-      float* dst = buffer.data() + i * head_dim;
-      for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, Row::load16(rows[i], d));
-      out[i] = dst;
-    }
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = buffer.data() + i * head_dim;
+    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, Row::load16(rows[i], d));
+    out[i] = reinterpret_cast<const uint8_t*>(dst);
   }
 }
 #endif
+
 
 // The same in plain loops (no AVX2), one query at a time.
 template <typename Row>
-void weighted_sum_plain(const float* weights, int64_t stride, const uint8_t* const* rows, int64_t len,
-                        int64_t head_dim, int64_t group, float* out, float* row_buffer) {
-  std::fill(out, out + group * head_dim, 0.f);
+void weighted_sum_plain(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
+                        int64_t group, float* const* acc_rows, float* row_buffer) {
   for (int64_t t = 0; t < len; ++t) {
     const float* x = Row::values(rows[t], head_dim, row_buffer);
-    for (int64_t g = 0; g < group; ++g) add_scaled(out + g * head_dim, weights[g * stride + t], x, head_dim);
+    for (int64_t g = 0; g < group; ++g) add_scaled(acc_rows[g], weights[g][t], x, head_dim);
   }
 }
 
-constexpr int64_t kTileRows = 16;  // query tokens of one sequence that share a task (and its key loads)
+constexpr int64_t kTileRows = 16;  // query tokens of one sequence that share a task
 
-// One task: a KV head and a tile of consecutive query tokens of one sequence. Token i of a
-// sequence computing n tokens this step attends keys 0 .. seq_len - n + i (causal; its own K/V
-// is already in the cache). The tile's queries (rows x the query heads of this KV head) share
-// each key and value row as it is loaded. Each query's scores, softmax and weighted sum are
-// computed exactly as they would be alone: one token's output never depends on the step's split.
-struct Tile {
-  int64_t seq, first_row, num_rows, first_len;  // first_len: keys the tile's first token attends
+// Query tokens of one sequence: first_row .. first_row + num_rows, attending first_len keys,
+// then one more for each next token (causal; each token's own K/V is already in the cache).
+struct Part {
+  int64_t seq, first_row, num_rows, first_len;
 };
 
+// One task: a KV head and the query tokens of some parts (a prefill tile, or decodes of several
+// requests), all their query heads for this KV head together. The keys are walked block index by
+// block index; at each, the queries whose requests hold the same physical block share its rows,
+// loaded (and widened) once: requests that share a cached prefix read it once per task.
+//
+// Every query's arithmetic is the same whatever it is grouped with and however its keys are cut:
+// a score comes from dot8 whatever the 8 keys around it, the softmax runs over the query's whole
+// row, and the weighted sum runs over its keys in order, continuing from block to block.
 template <typename Row>
-void attend(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* block_tables,
-            const std::vector<Tile>& tiles, float* out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, int64_t row_bytes, int64_t max_blocks, float scale) {
-  const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
-  const int64_t token_stride = num_kv_heads * row_bytes;
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, v_scales, row_buffer(head_dim), acc(kLanes * head_dim), inv_sums;
-    std::vector<int64_t> lens;  // keys each query attends
-    std::vector<const float*> queries;
-    std::vector<const uint8_t*> k_rows, v_rows;  // the tile's cached rows, in token order
+struct Attend {
+  const float* query;
+  const uint8_t *k_cache, *v_cache;
+  const int64_t* block_tables;
+  float* out;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, row_bytes, max_blocks;
+  float scale;
+
+  // A run of keys that the same queries read from the same rows: one group of requests sharing
+  // blocks (or one request alone) over consecutive block indices.
+  struct Segment {
+    int64_t begin, end;  // keys
+    std::vector<int64_t> ids;  // the queries reading them
+  };
+
+  // one task's working memory, reused from task to task on a thread
+  struct Work {
+    std::vector<float> scores, accs, inv_sums, row_buffer, k_widened, v_widened, row_scales;
+    std::vector<int64_t> lens, seqs, rows, heads, group_of, previous_group_of, run_starts, leaders, leader_blocks;
+    std::vector<const float*> queries, weights;
+    std::vector<float*> acc_rows;
+    std::vector<const uint8_t*> k_rows, v_rows, k_wide, v_wide;
+    std::vector<Segment> segments;
+  };
+
+  void run(int64_t kv_head, const Part* parts, int64_t num_parts, Work& w) const {
+    const int64_t group = num_heads / num_kv_heads;
+    w.lens.clear(), w.seqs.clear(), w.rows.clear(), w.heads.clear(), w.queries.clear();
+    int64_t max_len = 0;
+    for (int64_t p = 0; p < num_parts; ++p)
+      for (int64_t r = 0; r < parts[p].num_rows; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = parts[p].first_row + r, head = kv_head * group + g;
+          w.lens.push_back(parts[p].first_len + r);
+          w.seqs.push_back(parts[p].seq);
+          w.rows.push_back(row);
+          w.heads.push_back(head);
+          w.queries.push_back(query + (row * num_heads + head) * head_dim);
+          max_len = std::max(max_len, w.lens.back());
+        }
+    const int64_t num_queries = static_cast<int64_t>(w.lens.size());
+    const int64_t stride = (max_len + kLanes - 1) / kLanes * kLanes + kLanes;  // room for a last dot8
+    w.scores.assign(num_queries * stride, 0.f);
+    w.accs.assign(num_queries * head_dim, 0.f);
+    w.row_buffer.resize(head_dim);
+    segment(max_len, w);
+    for (const Segment& seg : w.segments) {
+      segment_rows(kv_head, seg, w);
+      score_block(seg.ids, seg.begin, seg.end, w, stride);
+    }
+    w.inv_sums.resize(num_queries);
+    for (int64_t q = 0; q < num_queries; ++q) {
+      float* s = w.scores.data() + q * stride;
+      w.inv_sums[q] = 1.f / softmax_numerators(s, w.lens[q]);
+      std::fill(s + w.lens[q], s + stride, 0.f);  // no weight past the query's own keys
+    }
+    for (const Segment& seg : w.segments) {  // in key order: each query's sum continues in order
+      segment_rows(kv_head, seg, w);
+      sum_block(seg.ids, seg.begin, seg.end, w, stride);
+    }
+    for (int64_t q = 0; q < num_queries; ++q) {
+      float* o = out + (w.rows[q] * num_heads + w.heads[q]) * head_dim;
+      const float* acc = w.accs.data() + q * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] * w.inv_sums[q];
+    }
+  }
+
+  // Cuts the task's keys into segments: at each block index, the queries whose requests hold the
+  // same physical block there form a group; consecutive block indices with the same groups make
+  // one segment per group. A request's queries are adjacent (a run, with non-decreasing lengths),
+  // so requests are compared, not queries.
+  void segment(int64_t max_len, Work& w) const {
+    const int64_t num_queries = static_cast<int64_t>(w.lens.size());
+    const int64_t num_blocks = (max_len + block_size - 1) / block_size;
+    w.run_starts.clear();
+    for (int64_t q = 0; q < num_queries; ++q)
+      if (q == 0 || w.seqs[q] != w.seqs[q - 1]) w.run_starts.push_back(q);
+    w.run_starts.push_back(num_queries);
+    w.segments.clear();
+    w.previous_group_of.assign(num_queries, -2);
+    size_t open_from = 0;  // the segments of the previous block index, which may grow
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t begin = b * block_size;
+      w.group_of.assign(num_queries, -1);  // the group's first query; -1: past its keys
+      w.leaders.clear();
+      w.leader_blocks.clear();
+      for (size_t i = 0; i + 1 < w.run_starts.size(); ++i) {
+        int64_t first = w.run_starts[i];
+        const int64_t run_end = w.run_starts[i + 1];
+        while (first < run_end && w.lens[first] <= begin) ++first;
+        if (first == run_end) continue;
+        const int64_t block = block_tables[w.seqs[first] * max_blocks + b];
+        const auto index = std::find(w.leader_blocks.begin(), w.leader_blocks.end(), block) - w.leader_blocks.begin();
+        if (index == static_cast<int64_t>(w.leader_blocks.size())) {
+          w.leader_blocks.push_back(block);
+          w.leaders.push_back(first);
+        }
+        const int64_t leader = w.leaders[index];
+        for (int64_t r = first; r < run_end; ++r) w.group_of[r] = leader;
+      }
+      if (b > 0 && w.group_of == w.previous_group_of) {  // same groups: their segments grow
+        for (size_t i = open_from; i < w.segments.size(); ++i)
+          w.segments[i].end = std::min(begin + block_size, group_max_len(w.segments[i].ids, w));
+        continue;
+      }
+      open_from = w.segments.size();
+      for (int64_t leader : w.leaders) {
+        Segment seg{begin, 0, {}};
+        for (int64_t r = leader; r < num_queries; ++r)
+          if (w.group_of[r] == leader) seg.ids.push_back(r);
+        seg.end = std::min(begin + block_size, group_max_len(seg.ids, w));
+        w.segments.push_back(std::move(seg));
+      }
+      std::swap(w.group_of, w.previous_group_of);
+    }
+  }
+
+  static int64_t group_max_len(const std::vector<int64_t>& ids, const Work& w) {
+    int64_t len = 0;
+    for (int64_t q : ids) len = std::max(len, w.lens[q]);
+    return len;
+  }
+
+  // Key and value rows of a segment, read through its first query's block table (the others in
+  // it hold the same blocks there); k_rows padded to a multiple of 8 with its last row.
+  void segment_rows(int64_t kv_head, const Segment& seg, Work& w) const {
+    const int64_t token_stride = num_kv_heads * row_bytes, block_stride = block_size * token_stride;
+    const int64_t n = seg.end - seg.begin, padded = (n + kLanes - 1) / kLanes * kLanes;
+    const int64_t* table = block_tables + w.seqs[seg.ids[0]] * max_blocks;
+    w.k_rows.resize(padded);
+    w.v_rows.resize(n);
+    // segments start on a block boundary: one table lookup per block
+    for (int64_t i = 0, b = seg.begin / block_size; i < n; ++b) {
+      const int64_t offset = table[b] * block_stride + kv_head * row_bytes;
+      for (int64_t slot = 0; slot < block_size && i < n; ++slot, ++i) {
+        w.k_rows[i] = k_cache + offset + slot * token_stride;
+        w.v_rows[i] = v_cache + offset + slot * token_stride;
+      }
+    }
+    std::fill(w.k_rows.begin() + n, w.k_rows.end(), w.k_rows[n - 1]);
+  }
+
+  void score_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride) const {
+    const int64_t padded = static_cast<int64_t>(w.k_rows.size());
+    w.row_scales.resize(padded);
+    for (int64_t i = 0; i < padded; ++i) w.row_scales[i] = Row::scale(w.k_rows[i], head_dim) * scale;
+#if PAGEDLLM_AVX2
+    const uint8_t* const* rows = w.k_rows.data();
+    bool widened = false;
 #if PAGEDLLM_AVX512
-    const bool wide = head_dim % 64 == 0;
-    std::vector<float> k_widened, v_widened;
-    std::vector<const float*> k_floats, v_floats;  // float32 views of k_rows / v_rows
-    std::vector<const uint8_t*> v_wide_rows;  // v_floats as rows for FloatRow
+    if (head_dim % 64 == 0) {  // read as float32 rows, widened once for every query here
+      if constexpr (!std::is_same_v<Row, FloatRow>) widen_rows<Row>(w.k_rows.data(), padded, head_dim, w.k_widened, w.k_wide);
+      else w.k_wide = w.k_rows;
+      rows = w.k_wide.data();
+      widened = true;
+    }
 #endif
+    for (int64_t t = 0; t < padded; t += kLanes) {
+      const __m256 scales = _mm256_loadu_ps(w.row_scales.data() + t);
+      for (int64_t q : ids) {
+        if (begin + t >= w.lens[q]) continue;  // keys past this query's own
+#if PAGEDLLM_AVX512
+        const __m256 dots = widened ? dot8_avx512(w.queries[q], reinterpret_cast<const float* const*>(rows + t), head_dim)
+                                    : dot8<Row>(w.queries[q], rows + t, head_dim);
+#else
+        const __m256 dots = dot8<Row>(w.queries[q], rows + t, head_dim);
+#endif
+        _mm256_storeu_ps(w.scores.data() + q * stride + begin + t, _mm256_mul_ps(dots, scales));
+      }
+    }
+    (void)widened;
+#else
+    for (int64_t t = 0; t < end - begin; ++t) {
+      const float* k = Row::values(w.k_rows[t], head_dim, w.row_buffer.data());
+      for (int64_t q : ids)
+        if (begin + t < w.lens[q]) w.scores[q * stride + begin + t] = dot(w.queries[q], k, head_dim) * w.row_scales[t];
+    }
+#endif
+  }
+
+  void sum_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride) const {
+    const int64_t n = end - begin, num = static_cast<int64_t>(ids.size());
+    // 8-bit rows: their scale goes onto the weights
+    if constexpr (!std::is_same_v<Row, FloatRow> && !std::is_same_v<Row, HalfWidthRow<c10::BFloat16>> &&
+                  !std::is_same_v<Row, HalfWidthRow<c10::Half>>) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float v_scale = Row::scale(w.v_rows[i], head_dim);
+        for (int64_t q : ids) w.scores[q * stride + begin + i] *= v_scale;
+      }
+    }
+    w.weights.resize(num);
+    w.acc_rows.resize(num);
+    for (int64_t j = 0; j < num; ++j) {
+      w.weights[j] = w.scores.data() + ids[j] * stride + begin;
+      w.acc_rows[j] = w.accs.data() + ids[j] * head_dim;
+    }
+#if PAGEDLLM_AVX512
+    if (head_dim % 64 == 0) {
+      const bool widen = num > 4 && !std::is_same_v<Row, FloatRow>;  // several passes read them
+      if (widen) widen_rows<Row>(w.v_rows.data(), n, head_dim, w.v_widened, w.v_wide);
+      for (int64_t j = 0; j < num; j += 4) {
+        const int64_t count = std::min<int64_t>(4, num - j);
+        if (widen)
+          weighted_sum_avx512_up_to_4<FloatRow>(w.weights.data() + j, w.v_wide.data(), n, head_dim, count,
+                                                w.acc_rows.data() + j);
+        else
+          weighted_sum_avx512_up_to_4<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, count,
+                                           w.acc_rows.data() + j);
+      }
+      return;
+    }
+#endif
+#if PAGEDLLM_AVX2
+    for (int64_t j = 0; j < num; j += kLanes)
+      weighted_sum_up_to_8<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, std::min(kLanes, num - j),
+                                w.acc_rows.data() + j);
+#else
+    weighted_sum_plain<Row>(w.weights.data(), w.v_rows.data(), n, head_dim, num, w.acc_rows.data(),
+                            w.row_buffer.data());
+#endif
+  }
+};
+
+// tasks: the parts of each task, as [first, last) ranges of `parts`; one task per range and KV head.
+template <typename Row>
+void attend(const Attend<Row>& attend, const std::vector<Part>& parts, const std::vector<int64_t>& task_starts) {
+  const int64_t num_tasks = static_cast<int64_t>(task_starts.size()) - 1;
+  at::parallel_for(0, num_tasks * attend.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    typename Attend<Row>::Work work;
     for (int64_t task = begin; task < end; ++task) {
       // head-major, so each thread's share of tasks spans short and long sequences alike
-      const int64_t kv_head = task / num_tiles;
-      const Tile& tile = tiles[task % num_tiles];
-      const int64_t max_len = tile.first_len + tile.num_rows - 1;  // the tile's last token's keys
-      const int64_t num_queries = tile.num_rows * group;  // query q: token q / group, head q % group
-      queries.resize(num_queries);
-      lens.resize(num_queries);
-      for (int64_t q = 0; q < num_queries; ++q) {
-        const int64_t row = tile.first_row + q / group;
-        queries[q] = query + (row * num_heads + kv_head * group + q % group) * head_dim;
-        lens[q] = tile.first_len + q / group;
-      }
-      // Rows up to a multiple of 8 (padded with the last row, whose extra scores are never used),
-      // so every score comes from dot8.
-      const int64_t padded = (max_len + kLanes - 1) / kLanes * kLanes;
-      k_rows.resize(padded);
-      v_rows.resize(max_len);
-      const int64_t* table = block_tables + tile.seq * max_blocks;
-      for (int64_t t = 0, b = 0; t < max_len; ++b) {  // one table lookup per block
-        const int64_t offset = table[b] * block_stride + kv_head * row_bytes;
-        for (int64_t i = 0; i < block_size && t < max_len; ++i, ++t) {
-          k_rows[t] = k_cache + offset + i * token_stride;
-          v_rows[t] = v_cache + offset + i * token_stride;
-        }
-      }
-      std::fill(k_rows.begin() + max_len, k_rows.end(), k_rows[max_len - 1]);
-#if PAGEDLLM_AVX2
-      // Ask for every row now: the misses (another layer's rows evicted these from the caches)
-      // then overlap instead of arriving one at a time as the loops below reach them.
-      for (int64_t t = 0; t < max_len; ++t)
-        for (int64_t line = 0; line < row_bytes; line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_rows[t] + line), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(v_rows[t] + line), _MM_HINT_T1);
-        }
-#endif
-      scores.resize(num_queries * padded);  // [query, key]
-#if PAGEDLLM_AVX512
-      // Values are widened ahead only when several passes of queries will read them.
-      const bool widen_values = wide && num_queries > 4 && !std::is_same_v<Row, FloatRow>;
-      if (wide) float_rows<Row>(k_rows.data(), padded, head_dim, k_widened, k_floats);
-      if (widen_values) {
-        float_rows<Row>(v_rows.data(), max_len, head_dim, v_widened, v_floats);
-        v_wide_rows.resize(max_len);
-        for (int64_t t = 0; t < max_len; ++t) v_wide_rows[t] = reinterpret_cast<const uint8_t*>(v_floats[t]);
-      }
-#endif
-#if PAGEDLLM_AVX2
-      for (int64_t t = 0; t < padded; t += kLanes) {
-        alignas(32) float row_scales[kLanes];
-        for (int64_t i = 0; i < kLanes; ++i) row_scales[i] = Row::scale(k_rows[t + i], head_dim) * scale;
-        const __m256 scales = _mm256_load_ps(row_scales);
-        for (int64_t q = 0; q < num_queries; ++q) {
-          if (t >= lens[q]) continue;  // keys past this query's own
-#if PAGEDLLM_AVX512
-          const __m256 dots = wide ? dot8_avx512(queries[q], k_floats.data() + t, head_dim)
-                                   : dot8<Row>(queries[q], k_rows.data() + t, head_dim);
-#else
-          const __m256 dots = dot8<Row>(queries[q], k_rows.data() + t, head_dim);
-#endif
-          _mm256_storeu_ps(scores.data() + q * padded + t, _mm256_mul_ps(dots, scales));
-        }
-      }
-#else
-      for (int64_t t = 0; t < max_len; ++t) {
-        const float* k = Row::values(k_rows[t], head_dim, row_buffer.data());
-        const float k_scale = Row::scale(k_rows[t], head_dim) * scale;
-        for (int64_t q = 0; q < num_queries; ++q)
-          if (t < lens[q]) scores[q * padded + t] = dot(queries[q], k, head_dim) * k_scale;
-      }
-#endif
-      inv_sums.resize(num_queries);
-      for (int64_t q = 0; q < num_queries; ++q)
-        inv_sums[q] = 1.f / softmax_numerators(scores.data() + q * padded, lens[q]);
-      // Value weights in place of the scores: softmax numerator x the value row's scale (8-bit
-      // rows), zero past a query's own keys.
-      if constexpr (!std::is_same_v<Row, FloatRow> && !std::is_same_v<Row, HalfWidthRow<c10::BFloat16>> &&
-                    !std::is_same_v<Row, HalfWidthRow<c10::Half>>) {
-        v_scales.resize(max_len);
-        for (int64_t t = 0; t < max_len; ++t) v_scales[t] = Row::scale(v_rows[t], head_dim);
-        for (int64_t q = 0; q < num_queries; ++q)
-          for (int64_t t = 0; t < lens[q]; ++t) scores[q * padded + t] *= v_scales[t];
-      }
-      for (int64_t q = 0; q < num_queries; ++q)
-        std::fill(scores.begin() + q * padded + lens[q], scores.begin() + q * padded + max_len, 0.f);
-      const float* weights = scores.data();
-#if PAGEDLLM_AVX512
-      const int64_t per_pass = wide ? 4 : kLanes;  // queries summed at once
-#else
-      const int64_t per_pass = kLanes;
-#endif
-      for (int64_t q0 = 0; q0 < num_queries; q0 += per_pass) {
-        const int64_t count = std::min(per_pass, num_queries - q0);
-        const int64_t len = lens[q0 + count - 1];  // the longest of these
-#if PAGEDLLM_AVX512
-        const float* w = weights + q0 * padded;
-        if (widen_values)
-          weighted_sum_avx512_up_to_4<FloatRow>(w, padded, v_wide_rows.data(), len, head_dim, count, acc.data());
-        else if (wide)
-          weighted_sum_avx512_up_to_4<Row>(w, padded, v_rows.data(), len, head_dim, count, acc.data());
-        else
-          weighted_sum_up_to_8<Row>(w, padded, v_rows.data(), len, head_dim, count, acc.data());
-#elif PAGEDLLM_AVX2
-        weighted_sum_up_to_8<Row>(weights + q0 * padded, padded, v_rows.data(), len, head_dim, count, acc.data());
-#else
-        weighted_sum_plain<Row>(weights + q0 * padded, padded, v_rows.data(), len, head_dim, count, acc.data(),
-                                row_buffer.data());
-#endif
-        for (int64_t g = 0; g < count; ++g) {
-          const int64_t q = q0 + g;
-          float* o = out + ((tile.first_row + q / group) * num_heads + kv_head * group + q % group) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv_sums[q];
-        }
-      }
+      const int64_t kv_head = task / num_tasks, i = task % num_tasks;
+      attend.run(kv_head, parts.data() + task_starts[i], task_starts[i + 1] - task_starts[i], work);
     }
   });
 }
@@ -540,7 +640,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const int64_t* starts_data = starts.data_ptr<int64_t>();
   const int64_t* tables_data = tables.data_ptr<int64_t>();
   TORCH_CHECK(starts_data[0] == 0 && starts_data[num_seqs] == num_tokens, "query_start_loc must run 0 .. num_tokens");
-  std::vector<Tile> tiles;
+  std::vector<Part> parts;
+  std::vector<int64_t> task_starts{0}, decodes;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t first = starts_data[s], rows = starts_data[s + 1] - first, len = lens_data[s];
     TORCH_CHECK(rows >= 1 && rows <= len, "sequence ", s, ": ", rows, " query tokens for ", len, " keys");
@@ -550,16 +651,52 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
       TORCH_CHECK(block_id >= 0 && block_id < num_blocks, "block_tables[", s, "][", b, "] = ", block_id,
                   " is not a block of the cache");
     }
-    for (int64_t r = 0; r < rows; r += kTileRows)
-      tiles.push_back({s, first + r, std::min(kTileRows, rows - r), len - rows + r + 1});
+    if (rows == 1) {
+      decodes.push_back(s);
+      continue;
+    }
+    for (int64_t r = 0; r < rows; r += kTileRows) {  // a prefill: tiles of consecutive tokens
+      parts.push_back({s, first + r, std::min(kTileRows, rows - r), len - rows + r + 1});
+      task_starts.push_back(static_cast<int64_t>(parts.size()));
+    }
   }
+  // Decodes: requests that share their first block (a cached prefix) side by side; a task takes
+  // requests that share it, up to a size that leaves about 4 tasks per thread (each task reads a
+  // shared prefix once); a request that shares nothing is a task of its own.
+  const int64_t table_stride = tables.size(1);
+  std::stable_sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) {
+    return tables_data[a * table_stride] < tables_data[b * table_stride];
+  });
+  const int64_t num_decodes = static_cast<int64_t>(decodes.size());
+  const int64_t max_chunk = std::max<int64_t>(1, num_decodes / (4 * at::get_num_threads()));
+  for (int64_t i = 0, in_chunk = 0; i < num_decodes; ++i) {
+    const int64_t seq = decodes[i];
+    const bool shares = i > 0 && tables_data[seq * table_stride] == tables_data[decodes[i - 1] * table_stride];
+    if (i > 0 && (!shares || in_chunk == max_chunk)) {
+      task_starts.push_back(static_cast<int64_t>(parts.size()));
+      in_chunk = 0;
+    }
+    parts.push_back({seq, starts_data[seq], 1, lens_data[seq]});
+    ++in_chunk;
+  }
+  if (num_decodes) task_starts.push_back(static_cast<int64_t>(parts.size()));
   at::Tensor out = at::empty_like(q);
   const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
   auto run = [&](auto row_kind) {
     using Row = decltype(row_kind);
-    attend<Row>(q.data_ptr<float>(), static_cast<const uint8_t*>(k_cache.data_ptr()),
-                static_cast<const uint8_t*>(v_cache.data_ptr()), tables_data, tiles, out.data_ptr<float>(), num_heads,
-                num_kv_heads, head_dim, block_size, row_bytes, tables.size(1), static_cast<float>(scale));
+    const Attend<Row> attend_tasks{q.data_ptr<float>(),
+                                   static_cast<const uint8_t*>(k_cache.data_ptr()),
+                                   static_cast<const uint8_t*>(v_cache.data_ptr()),
+                                   tables_data,
+                                   out.data_ptr<float>(),
+                                   num_heads,
+                                   num_kv_heads,
+                                   head_dim,
+                                   block_size,
+                                   row_bytes,
+                                   tables.size(1),
+                                   static_cast<float>(scale)};
+    attend<Row>(attend_tasks, parts, task_starts);
   };
   switch (cache_type) {
     case at::kFloat: run(FloatRow{}); break;
