@@ -8,8 +8,9 @@ every operation waits for the thread that lost its core, a thousand times a step
 once (OMP_WAIT_POLICY=passive) gave 153 / 266 loaded but cost 30% quiet.
 
 So by default the thread count follows the machine: all the cores this process may use while
-they are free, one fewer for each core other processes keep busy (measured every few seconds
-from /proc/stat against this process's own CPU time), back up when they leave. A fixed
+they are free, one fewer for each core other processes keep busy (measured every 2 s from
+/proc/stat against this process's own CPU time, and only after three checks in a row, so that a
+process starting up does not count), back up as soon as they leave. A fixed
 --num-threads turns that off; --cpu-cores pins the process to chosen cores.
 """
 
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 2.0
 BUSY_CORE = 0.5
 """Another process counts as holding a core once it uses at least half of one."""
+SUSTAINED_CHECKS = 3
+"""Threads are taken away only after this many checks in a row saw the cores busy: a process
+that starts up (a burst of a few seconds) is no reason; they come back at the first free check."""
 
 
 class CPUThreads:
@@ -42,6 +46,7 @@ class CPUThreads:
         self.adaptive = num_threads is None and len(self.cores) > 1
         self.threads = self.max_threads
         self._last: tuple[float, float, float] | None = None  # wall time, system busy s, own CPU s
+        self._busy_checks = 0  # checks in a row that wanted fewer threads
 
     def start(self) -> None:
         """Apply the thread count (call on the thread that runs the model) and say so."""
@@ -68,6 +73,9 @@ class CPUThreads:
         self._last = sample
         busy_cores = int(others + 1 - BUSY_CORE)  # 0.5 of a core counts as one
         wanted = max(1, min(self.max_threads, len(self.cores) - busy_cores))
+        self._busy_checks = self._busy_checks + 1 if wanted < self.threads else 0
+        if wanted < self.threads and self._busy_checks < SUSTAINED_CHECKS:
+            return
         if wanted != self.threads:
             logger.info(
                 "CPU threads: %d -> %d (other processes use %.1f of %d cores)",
