@@ -86,11 +86,10 @@ def paged_attention(
     contiguous; block_tables: [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1] first token
     of each request; seq_lens: [num_seqs] its keys, this step's included. Returns
     [num_tokens, num_heads, head_dim] in the query's dtype (the kernel works in float32: 16-bit
-    queries are widened, their result rounded back)."""
-    out = torch.ops.pagedllm.paged_attention(
-        query.float(), k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+    queries are widened as read, the result rounded back once)."""
+    return torch.ops.pagedllm.paged_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
     )
-    return out.to(query.dtype)
 
 
 def paged_decode_attention(

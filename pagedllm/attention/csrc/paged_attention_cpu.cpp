@@ -15,12 +15,13 @@
 // likewise, with its scale applied to the sums, not to each value (a quarter of float32's bytes).
 // AVX2 + FMA (+ F16C) paths where the compiler targets them (-march=native), plain loops elsewhere.
 //
-// Shapes: query [num_tokens, num_heads, head_dim] float32, each request's tokens contiguous;
+// Shapes: query [num_tokens, num_heads, head_dim] float32 / bfloat16 / float16 (widened as read,
+// the output rounded back once), each request's tokens contiguous;
 // k_cache / v_cache [num_blocks, block_size, num_kv_heads, row] with row = head_dim (float32,
 // bfloat16, float16) or head_dim + 2 (int8 / fp8 values, then a float16 scale); block_tables
 // [num_seqs, max_blocks], query_start_loc [num_seqs + 1] (request s has tokens
 // query_start_loc[s] .. query_start_loc[s + 1]) and seq_lens [num_seqs] (its keys once this step's
-// are written), int64. Returns [num_tokens, num_heads, head_dim] float32.
+// are written), int64. Returns [num_tokens, num_heads, head_dim] in the query's dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -373,10 +374,11 @@ struct Part {
 // row, and the weighted sum runs over its keys in order, continuing from block to block.
 template <typename Row>
 struct Attend {
-  const float* query;
+  const void* query;  // float32, bfloat16 or float16, as query_type says; out likewise
+  at::ScalarType query_type;
   const uint8_t *k_cache, *v_cache;
   const int64_t* block_tables;
-  float* out;
+  void* out;
   int64_t num_heads, num_kv_heads, head_dim, block_size, row_bytes, max_blocks;
   float scale;
 
@@ -389,7 +391,7 @@ struct Attend {
 
   // one task's working memory, reused from task to task on a thread
   struct Work {
-    std::vector<float> scores, accs, inv_sums, row_buffer, k_widened, v_widened, row_scales;
+    std::vector<float> scores, accs, inv_sums, row_buffer, k_widened, v_widened, row_scales, query_floats;
     std::vector<int64_t> lens, seqs, rows, heads, group_of, previous_group_of, run_starts, leaders, leader_blocks;
     std::vector<const float*> queries, weights;
     std::vector<float*> acc_rows;
@@ -404,15 +406,27 @@ struct Attend {
     for (int64_t p = 0; p < num_parts; ++p)
       for (int64_t r = 0; r < parts[p].num_rows; ++r)
         for (int64_t g = 0; g < group; ++g) {
-          const int64_t row = parts[p].first_row + r, head = kv_head * group + g;
           w.lens.push_back(parts[p].first_len + r);
           w.seqs.push_back(parts[p].seq);
-          w.rows.push_back(row);
-          w.heads.push_back(head);
-          w.queries.push_back(query + (row * num_heads + head) * head_dim);
+          w.rows.push_back(parts[p].first_row + r);
+          w.heads.push_back(kv_head * group + g);
           max_len = std::max(max_len, w.lens.back());
         }
     const int64_t num_queries = static_cast<int64_t>(w.lens.size());
+    // queries as float32: read in place, or widened (16-bit models) into the task's buffer
+    w.query_floats.resize(query_type == at::kFloat ? 0 : num_queries * head_dim);
+    for (int64_t q = 0; q < num_queries; ++q) {
+      const int64_t offset = (w.rows[q] * num_heads + w.heads[q]) * head_dim;
+      if (query_type == at::kFloat) {
+        w.queries.push_back(static_cast<const float*>(query) + offset);
+        continue;
+      }
+      float* dst = w.query_floats.data() + q * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d)
+        dst[d] = query_type == at::kBFloat16 ? static_cast<float>(static_cast<const c10::BFloat16*>(query)[offset + d])
+                                             : static_cast<float>(static_cast<const c10::Half*>(query)[offset + d]);
+      w.queries.push_back(dst);
+    }
     const int64_t stride = (max_len + kLanes - 1) / kLanes * kLanes + kLanes;  // room for a last dot8
     w.scores.assign(num_queries * stride, 0.f);
     w.accs.assign(num_queries * head_dim, 0.f);
@@ -432,10 +446,15 @@ struct Attend {
       segment_rows(kv_head, seg, w);
       sum_block(seg.ids, seg.begin, seg.end, w, stride);
     }
-    for (int64_t q = 0; q < num_queries; ++q) {
-      float* o = out + (w.rows[q] * num_heads + w.heads[q]) * head_dim;
+    for (int64_t q = 0; q < num_queries; ++q) {  // written in the query's dtype (rounded once)
+      const int64_t offset = (w.rows[q] * num_heads + w.heads[q]) * head_dim;
       const float* acc = w.accs.data() + q * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] * w.inv_sums[q];
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float value = acc[d] * w.inv_sums[q];
+        if (query_type == at::kFloat) static_cast<float*>(out)[offset + d] = value;
+        else if (query_type == at::kBFloat16) static_cast<c10::BFloat16*>(out)[offset + d] = c10::BFloat16(value);
+        else static_cast<c10::Half*>(out)[offset + d] = c10::Half(value);
+      }
     }
   }
 
@@ -612,7 +631,9 @@ void attend(const Attend<Row>& attend, const std::vector<Part>& parts, const std
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3, "query: [num_tokens, num_heads, head_dim] float32");
+  const auto query_type = query.scalar_type();
+  TORCH_CHECK((query_type == at::kFloat || query_type == at::kBFloat16 || query_type == at::kHalf) && query.dim() == 3,
+              "query: [num_tokens, num_heads, head_dim] float32, bfloat16 or float16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache: contiguous [num_blocks, block_size, num_kv_heads, row], same shape");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -684,11 +705,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
   auto run = [&](auto row_kind) {
     using Row = decltype(row_kind);
-    const Attend<Row> attend_tasks{q.data_ptr<float>(),
+    const Attend<Row> attend_tasks{q.data_ptr(),
+                                   query_type,
                                    static_cast<const uint8_t*>(k_cache.data_ptr()),
                                    static_cast<const uint8_t*>(v_cache.data_ptr()),
                                    tables_data,
-                                   out.data_ptr<float>(),
+                                   out.data_ptr(),
                                    num_heads,
                                    num_kv_heads,
                                    head_dim,
