@@ -196,3 +196,21 @@ def test_requests_sharing_prefix_blocks_read_them_together_with_the_same_outputs
         torch.testing.assert_close(together.float(), expected, atol=1e-2, rtol=1e-2)
     else:
         torch.testing.assert_close(together, decode_gathered(query, k, v, batch, 0.125), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):
+    """Hugging Face's RMSNorm in PyTorch ops: the residual sum bit for bit, the output within one
+    rounding of the model dtype (only the order of summing squares differs)."""
+    gen = torch.Generator().manual_seed(11)
+    x, residual = (torch.randn(37, 576, generator=gen).to(dtype) * 3 for _ in "xr")
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    summed = residual + x if with_residual else x
+    h = summed.float()
+    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert cpu_kernel.serves_rms_norm(x)
+    out, new_residual = cpu_kernel.add_rms_norm(x, residual if with_residual else None, weight, 1e-5)
+    assert torch.equal(new_residual, summed)
+    ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
+    assert ((out.float() - expected.float()).abs() <= 2 * ulp).all()

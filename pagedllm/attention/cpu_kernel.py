@@ -1,4 +1,5 @@
-"""The CPU attention kernel (csrc/paged_attention_cpu.cpp), compiled on first use.
+"""The CPU kernels (csrc/: paged attention, and residual add + RMSNorm for 16-bit models),
+compiled on first use into one library.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
 CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
@@ -22,7 +23,7 @@ from pagedllm.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "rms_norm_cpu.cpp")]
 _CACHE_DTYPES = {
     torch.float32,
     torch.bfloat16,
@@ -50,7 +51,7 @@ def is_built() -> bool:
     try:
         cpp_extension.load(
             name=f"pagedllm_cpu_{_cpu_tag()}",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -103,3 +104,16 @@ def paged_decode_attention(
     """paged_attention for one query token per request: query [num_seqs, num_heads, head_dim]."""
     query_start_loc = torch.arange(query.shape[0] + 1, device=query.device)
     return paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual) for a 16-bit model on CPU, in one call.
+    x: [num_tokens, hidden]; residual: the same, or None for the first norm."""
+    empty = x.new_empty(0)
+    return torch.ops.pagedllm.add_rms_norm(x, empty if residual is None else residual, weight, eps)
+
+
+def serves_rms_norm(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and is_built()
