@@ -40,3 +40,11 @@ $BIN/pagedllm bench kv-quant --workload "$W/mixed.jsonl" --kv-cache-dtype int8 \
 # ... and at a budget where the unquantized cache holds a quarter of the batch.
 $BIN/pagedllm bench kv-quant --workload "$W/mixed.jsonl" --kv-cache-dtype int8 --tight-fraction 0.25 \
   --output-json "$OUT/kv_quant_int8_tight25.json" | tee "$OUT/kv_quant_int8_tight25.txt"
+
+# Issue 10: 30 minutes of good, aborted, disconnected and bad requests at 16 in flight.
+$BIN/pagedllm bench soak --workload "$W/mixed.jsonl" --minutes "${SOAK_MINUTES:-30}" --concurrency 16 \
+  --server-args "--max-num-seqs 16" --server-log "$OUT/soak_server.log" --output-json "$OUT/soak.json" \
+  | tee "$OUT/soak.txt"
+
+# Issue 11: pagedllm beside vLLM's CPU build, same host, same run (sets vLLM up in ../peers/vllm-venv).
+$BIN/python benchmarks/vllm_compare/run.py --out "$OUT/vllm_compare" | tee "$OUT/vllm_compare.txt"

@@ -19,6 +19,19 @@ TEST_ENGINE_ARGS = {
 }
 
 
+def server_engine_args() -> list[str]:
+    """TEST_ENGINE_ARGS as `pagedllm serve` flags."""
+    return [
+        "--dtype",
+        TEST_ENGINE_ARGS["dtype"],
+        "--max-model-len",
+        str(TEST_ENGINE_ARGS["max_model_len"]),
+        "--kv-cache-memory-bytes",
+        TEST_ENGINE_ARGS["kv_cache_memory_bytes"],
+        "--disable-log-stats",
+    ]
+
+
 @dataclass
 class Reference:
     """Hugging Face transformers on the same GGUF, loaded by transformers' own GGUF reader."""

@@ -22,8 +22,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from .conftest import TEST_ENGINE_ARGS
-from .test_correctness_hf import CHATS, RAW_PROMPTS
+from .conftest import TEST_ENGINE_ARGS, Reference
+from .test_correctness_hf import labelled_prompts
 
 NEW_TOKENS = 48
 
@@ -31,32 +31,16 @@ NEW_TOKENS = 48
 @pytest.fixture(scope="module")
 def bf16_cases(reference):
     """(label, prompt ids, reference tokens, reference logprobs per step, noise per step)."""
-    tokenizer = reference.tokenizer
-    prompts = [(f"raw{i}", tokenizer(p).input_ids) for i, p in enumerate(RAW_PROMPTS)]
-    for i, chat in enumerate(CHATS):
-        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        prompts.append((f"chat{i}", tokenizer(text, add_special_tokens=False).input_ids))
-    ref32 = reference.model
-    ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
+    ref16 = Reference(copy.deepcopy(reference.model).to(torch.bfloat16), reference.tokenizer)
     cases = []
-    with torch.inference_mode():
-        for label, ids in prompts:
-            out = ref16.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-            tokens = out.sequences[0, len(ids) :].tolist()
-            logprobs = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])
-            # float32 on the very same tokens: what bfloat16 rounding alone changed
-            exact = torch.log_softmax(ref32(out.sequences[:, :-1]).logits[0, len(ids) - 1 :].float(), -1)
-            top = logprobs.topk(5, dim=-1).indices
-            noise = (exact.gather(1, top) - logprobs.gather(1, top)).abs().amax(dim=-1)
-            cases.append((label, ids, tokens, logprobs, noise))
+    for label, ids in labelled_prompts(reference.tokenizer):
+        tokens, logits = ref16.greedy(ids, NEW_TOKENS)
+        logprobs = torch.log_softmax(torch.stack(logits), dim=-1)
+        # float32 on the very same tokens: what bfloat16 rounding alone changed
+        exact = torch.log_softmax(reference.logits(ids + tokens[:-1])[len(ids) - 1 :], dim=-1)
+        top = logprobs.topk(5, dim=-1).indices
+        noise = (exact.gather(1, top) - logprobs.gather(1, top)).abs().amax(dim=-1)
+        cases.append((label, ids, tokens, logprobs, noise))
     return cases
 
 

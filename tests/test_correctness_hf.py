@@ -35,15 +35,22 @@ FILLERS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cases(reference):
-    """(label, prompt token ids, reference tokens, reference logits) for the 8 prompts."""
-    tokenizer = reference.tokenizer
+def labelled_prompts(tokenizer) -> list[tuple[str, list[int]]]:
+    """The 4 raw prompts and 4 chats as token ids, tokenized by transformers itself."""
     prompts = [(f"raw{i}", tokenizer(p).input_ids) for i, p in enumerate(RAW_PROMPTS)]
     for i, chat in enumerate(CHATS):
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         prompts.append((f"chat{i}", tokenizer(text, add_special_tokens=False).input_ids))
-    return [(label, ids, *reference.greedy(ids, NEW_TOKENS)) for label, ids in prompts]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def cases(reference):
+    """(label, prompt token ids, reference tokens, reference logits) for the 8 prompts."""
+    return [
+        (label, ids, *reference.greedy(ids, NEW_TOKENS))
+        for label, ids in labelled_prompts(reference.tokenizer)
+    ]
 
 
 def test_prompts_tokenize_like_transformers(llm, cases):

@@ -214,3 +214,27 @@ def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):
     assert torch.equal(new_residual, summed)
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
     assert ((out.float() - expected.float()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotary_write_kv_equals_apply_rotary_and_write_kv(dtype):
+    """Bit for bit: the queries rotary.apply_rotary gives, and the rows write_kv writes."""
+    from pagedllm.attention.paged_attention import write_kv
+    from pagedllm.model.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(5)
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 6, 2, 64
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    angles = torch.rand(num_tokens, 1, head_dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)  # half-negated, as the table holds it
+    slots = torch.randperm(40, generator=gen)[:num_tokens]
+    caches = [torch.zeros(10, 4, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    assert cpu_kernel.serves_rotary_write_kv(qkv, caches[0])
+    q = cpu_kernel.rotary_write_kv(qkv, cos, sin, slots, caches[0], caches[1], num_heads, num_kv_heads)
+    q_size = num_heads * head_dim
+    qk = apply_rotary(qkv[:, : q_size + num_kv_heads * head_dim].view(num_tokens, -1, head_dim), cos, sin)
+    v = qkv[:, q_size + num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    write_kv(caches[2], caches[3], qk[:, num_heads:], v, slots)
+    assert torch.equal(q, qk[:, :num_heads])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

@@ -7,22 +7,21 @@ import math
 import torch
 
 from pagedllm import SamplingParams
-from pagedllm.core.outputs import ScheduledRequest
 from pagedllm.sample.sampler import Sampler, apply_penalties
+from pagedllm.worker.request_table import CachedRequestState, StepRequest
 
 
-def request(req_id="r", prompt=(1, 2), output=(), eos=frozenset({0}), **params) -> ScheduledRequest:
-    return ScheduledRequest(
+def request(req_id="r", prompt=(1, 2), output=(), eos=frozenset({0}), **params) -> StepRequest:
+    state = CachedRequestState(
         req_id=req_id,
-        token_ids=[5],
-        num_computed_tokens=len(prompt) + len(output),
-        block_ids=[0],
-        do_sample=True,
-        sampling_params=SamplingParams(**params),
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
+        sampling_params=SamplingParams(**params),
         eos_token_ids=eos,
+        num_computed_tokens=len(prompt) + len(output) - 1,
+        row=0,
     )
+    return StepRequest(state, num_scheduled_tokens=1, do_sample=True)
 
 
 def sample(logits, reqs, seed=0):

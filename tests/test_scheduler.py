@@ -12,6 +12,7 @@ from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.request_table import RequestTable
 
 EOS = 0
 
@@ -155,6 +156,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.counter = 0
         self.finished: set[str] = set()
+        # the runner's side of the seam: its table must always agree with the scheduler's requests
+        self.table = RequestTable(max_num_seqs, -(-self.max_len // block_size))
 
     @rule(num_prompt=st.integers(1, 30), max_tokens=st.integers(1, 12))
     def add(self, num_prompt, max_tokens):
@@ -166,7 +169,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(token=st.integers(0, 9))
     def step(self, token):
         running_before = list(self.scheduler.running)
-        output, outputs = step(self.scheduler, token)
+        output = self.scheduler.schedule()
+        self.check_the_runner_table_agrees(output)
+        runner_output = fake_run(output, token)
+        for step_request in self.batch:
+            if step_request.req_id in runner_output.sampled_token_ids:  # the runner records its samples
+                step_request.state.output_token_ids.append(token)
+        outputs = self.scheduler.update_from_output(output, runner_output)
         assert output.num_scheduled_tokens <= self.scheduler.config.token_budget
         scheduled = {s.req_id for s in output.scheduled}
         if not output.preempted_req_ids:
@@ -175,6 +184,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         for item in output.scheduled:
             assert item.num_scheduled_tokens >= 1
         self.finished |= {o.req_id for o in outputs if o.finish_reason}
+
+    def check_the_runner_table_agrees(self, output) -> None:
+        """Sent only deltas, the runner's table computes the tokens and reads the blocks the
+        scheduler's own requests say (through preemptions, resumes and aborts)."""
+        self.batch = self.table.update(output)
+        manager = self.scheduler.kv_cache_manager
+        for step_request in self.batch:
+            request = self.scheduler.requests[step_request.req_id]
+            start = step_request.num_computed_tokens
+            assert start == request.num_computed_tokens
+            assert (
+                step_request.token_ids
+                == request.all_token_ids[start : start + step_request.num_scheduled_tokens]
+            )
+            block_ids = manager.get_block_ids(request.req_id)
+            row = self.table.block_tables([step_request], len(block_ids))[0].tolist()
+            assert row == block_ids
+        assert set(self.table.requests) == {r.req_id for r in self.scheduler.running}
 
     @precondition(lambda self: self.scheduler.has_unfinished_requests())
     @rule(data=st.data())

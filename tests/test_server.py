@@ -19,19 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import SamplingParams
 
-from .conftest import TEST_ENGINE_ARGS
+from .conftest import TEST_ENGINE_ARGS, server_engine_args
 
 API_KEY = "test-key"
 MAX_NUM_SEQS = 8
 MAX_QUEUE_LEN = 40
 SERVER_ARGS = [
-    "--dtype",
-    TEST_ENGINE_ARGS["dtype"],
-    "--max-model-len",
-    str(TEST_ENGINE_ARGS["max_model_len"]),
-    "--kv-cache-memory-bytes",
-    TEST_ENGINE_ARGS["kv_cache_memory_bytes"],
-    "--disable-log-stats",
+    *server_engine_args(),
     "--max-num-seqs",
     str(MAX_NUM_SEQS),
     "--max-queue-len",

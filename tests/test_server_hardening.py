@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import TEST_ENGINE_ARGS
+from .conftest import server_engine_args
 from .fault_server import DETOKENIZE_FAULT_SEED, FORWARD_FAULT_TOKEN, SAMPLING_FAULT_SEED
 from .test_server import RemoteServer
 
@@ -22,13 +22,7 @@ API_KEY = "hardening-key"
 MAX_QUEUE_LEN = 40
 MAX_BODY_BYTES = 256 * 1024
 BASE_ARGS = [
-    "--dtype",
-    TEST_ENGINE_ARGS["dtype"],
-    "--max-model-len",
-    str(TEST_ENGINE_ARGS["max_model_len"]),
-    "--kv-cache-memory-bytes",
-    TEST_ENGINE_ARGS["kv_cache_memory_bytes"],
-    "--disable-log-stats",
+    *server_engine_args(),
     "--max-num-seqs",
     "8",
     "--max-queue-len",

@@ -1,5 +1,5 @@
-"""The CPU kernels (csrc/: paged attention, and residual add + RMSNorm for 16-bit models),
-compiled on first use into one library.
+"""The CPU kernels (csrc/: paged attention; for 16-bit models, residual add + RMSNorm and
+rotary + KV-cache write), compiled on first use into one library.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
 CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
@@ -23,7 +23,9 @@ from pagedllm.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "rms_norm_cpu.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+]
 _CACHE_DTYPES = {
     torch.float32,
     torch.bfloat16,
@@ -117,3 +119,38 @@ def add_rms_norm(
 
 def serves_rms_norm(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and is_built()
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Rotate a fused qkv projection's queries and keys (as rotary.apply_rotary does, bit for
+    bit), write keys and values into their cache slots; returns the queries [num_tokens,
+    num_heads, head_dim]. qkv: [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]."""
+    return torch.ops.pagedllm.rotary_write_kv(
+        qkv.contiguous(),
+        cos.reshape(qkv.shape[0], -1),
+        signed_sin.reshape(qkv.shape[0], -1),
+        slot_mapping,
+        k_cache,
+        v_cache,
+        num_heads,
+        num_kv_heads,
+    )
+
+
+def serves_rotary_write_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """16-bit model, cache of the same dtype, on CPU."""
+    return (
+        qkv.device.type == "cpu"
+        and qkv.dtype in (torch.bfloat16, torch.float16)
+        and k_cache.dtype == qkv.dtype
+        and is_built()
+    )

@@ -97,8 +97,10 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
+    def get_block_ids(self, req_id: str, first: int = 0) -> list[int]:
+        """The request's block ids from its `first`-th block on (a running request's blocks are
+        only ever appended, so the runner can be sent the new ones alone)."""
+        return [block.block_id for block in self.req_to_blocks.get(req_id, [])[first:]]
 
     def hash_prompt(self, request: Request) -> None:
         """Hash the full blocks of a new request's prompt (a no-op without prefix caching)."""

@@ -8,39 +8,47 @@ from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step, in ids and counts.
-
-    The runner computes `token_ids` at positions `num_computed_tokens ...`, writing their K/V
-    into the slots named by `block_ids`, and samples a token when `do_sample` (this step
-    reaches the request's last known token). The lists are the request's own: read only.
-    """
+class NewRequestData:
+    """A request the runner does not hold: scheduled for the first time, or again after a
+    preemption gave its blocks back. Everything the runner keeps in its request table; from then
+    on each step sends only what changed (CachedRequestData). The lists are the request's own:
+    read only, except output_token_ids, a copy."""
 
     req_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    do_sample: bool
-    sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    """Tokens generated before a preemption; empty the first time."""
+    sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    do_sample: bool
+    """This step reaches the request's last known token: sample the next one."""
 
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
 
-    @property
-    def seq_len(self) -> int:
-        """Context length once this step's tokens are in the cache."""
-        return self.num_computed_tokens + len(self.token_ids)
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner holds: the blocks it got since its last step, and this step's share."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    do_sample: bool
+
+
+ScheduledRequest = NewRequestData | CachedRequestData
 
 
 @dataclass
 class SchedulerOutput:
+    """One step, in ids and counts: the requests to compute, in batch order."""
+
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_req_ids: list[str] = field(default_factory=list)
+    """Requests whose blocks a preemption took this step; the runner drops their state too."""
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step; the runner drops their state."""
 

@@ -22,8 +22,10 @@ from collections import OrderedDict
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import (
+    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
+    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -48,6 +50,8 @@ class Scheduler:
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []
+        self._num_blocks_sent: dict[str, int] = {}
+        """Requests the runner holds, and how many of their block ids it has been sent."""
         self._head_skips = 0
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_preemptions = 0
@@ -174,6 +178,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._num_blocks_sent.pop(request.req_id, None)  # the runner drops it; on resume it is new
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -182,20 +187,26 @@ class Scheduler:
         self.waiting.move_to_end(request.req_id, last=False)
 
     def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The runner gets a request whole once (NewRequestData), then only its new blocks."""
         start = request.num_computed_tokens
         end = start + num_new
         self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
-        return ScheduledRequest(
-            req_id=request.req_id,
-            token_ids=request.all_token_ids[start:end],
-            num_computed_tokens=start,
-            block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
-            do_sample=end == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            eos_token_ids=request.eos_token_ids,
-        )
+        sent = self._num_blocks_sent.get(request.req_id)
+        block_ids = self.kv_cache_manager.get_block_ids(request.req_id, first=sent or 0)
+        self._num_blocks_sent[request.req_id] = (sent or 0) + len(block_ids)
+        if sent is None:
+            return NewRequestData(
+                req_id=request.req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                eos_token_ids=request.eos_token_ids,
+                block_ids=block_ids,
+                num_computed_tokens=start,
+                num_scheduled_tokens=num_new,
+                do_sample=end == request.num_tokens,
+            )
+        return CachedRequestData(request.req_id, block_ids, start, num_new, end == request.num_tokens)
 
     # ---- after the model ran ---------------------------------------------------------------
 
@@ -277,6 +288,7 @@ class Scheduler:
 
     def _free_request(self, request: Request, now: float | None = None) -> None:
         self.kv_cache_manager.free(request)
+        self._num_blocks_sent.pop(request.req_id, None)
         request.metrics.finished_time = now if now is not None else time.monotonic()
         del self.requests[request.req_id]
         self._finished_req_ids.append(request.req_id)

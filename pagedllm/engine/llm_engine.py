@@ -164,6 +164,9 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step of every running request. A request whose own part fails (its sampling, its
+        detokenization) ends with finish_reason "error" and the others go on; anything else raised
+        here leaves the engine's state unknown, and the caller must stop using it."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

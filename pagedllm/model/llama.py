@@ -64,6 +64,16 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        kernel = metadata.kernel
+        if kernel is not None and cpu_kernel.serves_rotary_write_kv(qkv, kv_cache[0]):
+            # 16-bit on CPU: rotary and the K/V write in one C++ pass (same numbers), then the kernel
+            q = cpu_kernel.rotary_write_kv(
+                qkv, *rope, metadata.slot_mapping, *kv_cache, self.num_heads, self.num_kv_heads
+            )
+            out = cpu_kernel.paged_attention(
+                q, *kv_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, self.scale
+            )
+            return self.o_proj(out.view(num_tokens, self.q_size))
         # queries and keys are rotated together: [num_tokens, num_heads + num_kv_heads, head_dim]
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

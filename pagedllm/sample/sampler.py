@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.core.outputs import ScheduledRequest, TokenLogprobs
+from pagedllm.core.outputs import TokenLogprobs
+from pagedllm.worker.request_table import StepRequest
 
 
 class Sampler:
@@ -25,7 +26,7 @@ class Sampler:
             self._request_generators.pop(req_id, None)
 
     def __call__(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+        self, logits: torch.Tensor, reqs: list[StepRequest]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
         params = [r.sampling_params for r in reqs]
@@ -45,7 +46,7 @@ class Sampler:
             return token_list, [None] * len(reqs)
         return token_list, gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
 
-    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[StepRequest]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
         is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
         temperature = torch.tensor(
@@ -69,7 +70,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
-    def _generator_for(self, req: ScheduledRequest) -> torch.Generator:
+    def _generator_for(self, req: StepRequest) -> torch.Generator:
         generator = self._request_generators.get(req.req_id)
         if generator is None:
             generator = torch.Generator(device=self.device).manual_seed(req.sampling_params.seed)
@@ -77,7 +78,7 @@ class Sampler:
         return generator
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, reqs: list[StepRequest]) -> torch.Tensor:
     """vLLM's semantics: repetition divides positive / multiplies negative logits of tokens
     seen in prompt or output; frequency subtracts per output occurrence; presence once."""
     num_reqs, vocab = logits.shape
@@ -111,7 +112,7 @@ def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits
 
 
-def _mask_until_min_tokens(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+def _mask_until_min_tokens(logits: torch.Tensor, reqs: list[StepRequest]) -> torch.Tensor:
     rows, cols = [], []
     for i, r in enumerate(reqs):
         params = r.sampling_params

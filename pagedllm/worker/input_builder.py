@@ -1,6 +1,6 @@
-"""Turn a step's scheduled requests into model inputs: flat token ids, positions, slots,
-attention metadata and the rows to sample from. All index arithmetic is done once per step
-in a handful of tensor ops, never per token in Python.
+"""Turn a step's requests (from the runner's request table) into model inputs: flat token ids,
+positions, slots, attention metadata and the rows to sample from. All index arithmetic is done
+once per step in a handful of tensor ops, never per token in Python.
 
 Flat layout of a step (requests in scheduled order, each contributing its new tokens):
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PagedKernelInput, PrefillSpan
-from pagedllm.core.outputs import ScheduledRequest
+from pagedllm.worker.request_table import StepRequest
 
 # Decodes are grouped by context length so one long request does not make every short one
 # pay its padding: a group ends where the next context is over twice the group's shortest,
@@ -29,36 +29,33 @@ class ModelInput:
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
-    sampled: list[ScheduledRequest]  # the requests those rows belong to, same order
-    prompt_scoring: list[tuple[ScheduledRequest, int, int]]
+    sampled: list[StepRequest]  # the requests those rows belong to, same order
+    prompt_scoring: list[tuple[StepRequest, int, int]]
     """(request, first row, number of rows) whose next token is a prompt token, for
     requests asking for prompt_logprobs."""
 
 
 def build_model_input(
-    scheduled: list[ScheduledRequest],
+    scheduled: list[StepRequest],
+    block_tables: torch.Tensor,
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
     paged_kernel: bool = False,
 ) -> ModelInput:
-    """dtype: the model's, for the additive attention masks. paged_kernel: attention runs in the
-    CPU kernel (metadata for it alone), else in PyTorch ops (decode batches, prefill spans)."""
+    """block_tables: [len(scheduled), >= the most blocks any of them uses this step]. dtype: the
+    model's, for the additive attention masks. paged_kernel: attention runs in the CPU kernel
+    (metadata for it alone), else in PyTorch ops (decode batches, prefill spans)."""
     num_reqs = len(scheduled)
     counts = [s.num_scheduled_tokens for s in scheduled]
     starts = [s.num_computed_tokens for s in scheduled]
     seq_lens = [s.seq_len for s in scheduled]
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    table_rows = [
-        s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in scheduled
-    ]
 
     counts_t = torch.tensor(counts)
     row_offsets = torch.cumsum(counts_t, 0) - counts_t  # first row of each request
     req_of_row = torch.repeat_interleave(torch.arange(num_reqs), counts_t)  # [num_tokens]
     num_tokens = int(counts_t.sum())
     positions = torch.arange(num_tokens) - row_offsets[req_of_row] + torch.tensor(starts)[req_of_row]
-    block_tables = torch.tensor(table_rows, dtype=torch.long)  # [num_reqs, max_blocks]
     slot_mapping = block_tables[req_of_row, positions // block_size] * block_size + positions % block_size
 
     input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long)

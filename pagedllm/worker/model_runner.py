@@ -1,7 +1,9 @@
 """ModelRunner: the mechanism that executes one scheduled step on the device.
 
-scheduled requests -> input tensors -> model -> logits of the rows to sample -> sampler.
-It receives ids and counts (ScheduledRequest), never scheduler objects.
+scheduled requests -> request table -> input tensors -> model -> logits of the rows to sample
+-> sampler. It receives ids, counts and, once per request, its prompt and settings
+(SchedulerOutput), never scheduler objects; it keeps its own copy of each request
+(request_table.py) and appends the tokens it samples.
 
 Failure isolation: the forward pass is the whole batch's, and an error there propagates (the
 engine's state is then unknown). What is one request's own (its sampling settings, its prompt
@@ -17,10 +19,11 @@ from collections.abc import Iterator
 import torch
 
 from pagedllm.attention import cpu_kernel
-from pagedllm.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.worker.input_builder import build_model_input
+from pagedllm.worker.request_table import RequestTable, StepRequest
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +36,15 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int,
+        max_num_reqs: int,
+        max_model_len: int,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
+        self.requests = RequestTable(max_num_reqs, -(-max_model_len // block_size))
         # attention in the CPU kernel, else in PyTorch ops: decided once, from the model and cache
         dtype = model.embed_tokens.weight.dtype
         self.paged_kernel = cpu_kernel.serves(device, dtype, kv_caches[0][0].dtype, model.config.head_dim)
@@ -46,10 +52,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_req_ids)
-        if scheduler_output.is_empty:
+        batch = self.requests.update(scheduler_output)
+        if not batch:
             return ModelRunnerOutput(sampled_token_ids={})
+        num_blocks = max(-(-step.seq_len // self.block_size) for step in batch)
         model_input = build_model_input(
-            scheduler_output.scheduled,
+            batch,
+            self.requests.block_tables(batch, num_blocks),
             self.block_size,
             self.device,
             self.model.embed_tokens.weight.dtype,
@@ -69,7 +78,7 @@ class ModelRunner:
             self._sample(logits, model_input.sampled, output)
         return output
 
-    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[StepRequest], output: ModelRunnerOutput) -> None:
         """Sample the batch at once; if that raises, each request alone, so only the ones at
         fault fail. logits: [len(reqs), vocab]."""
         try:
@@ -84,15 +93,16 @@ class ModelRunner:
 
     @staticmethod
     def _record(
-        output: ModelRunnerOutput, tokens: list[int], logprobs: list, reqs: list[ScheduledRequest]
+        output: ModelRunnerOutput, tokens: list[int], logprobs: list, reqs: list[StepRequest]
     ) -> None:
         for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
             output.sampled_token_ids[req.req_id] = token
+            req.state.output_token_ids.append(token)  # the runner's copy grows as the scheduler's
             if lp is not None:
                 output.logprobs[req.req_id] = lp
 
     def _score_prompt(
-        self, hidden: torch.Tensor, request: ScheduledRequest, first_row: int, num_rows: int
+        self, hidden: torch.Tensor, request: StepRequest, first_row: int, num_rows: int
     ) -> list[TokenLogprobs]:
         """Logprobs of the prompt tokens that follow this chunk's rows (teacher forcing)."""
         start = request.num_computed_tokens + 1

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from pagedllm.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_model, resolve_dtype
@@ -73,7 +73,15 @@ class Worker:
     def initialize_cache(self, plan: KVCachePlan) -> None:
         assert self.model is not None
         kv_caches = allocate_kv_caches(plan.spec, plan.num_blocks, self.device)
-        self.runner = ModelRunner(self.model, kv_caches, plan.spec.block_size, self.device, self.config.seed)
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            plan.spec.block_size,
+            self.device,
+            self.config.seed,
+            max_num_reqs=self.config.max_num_seqs,
+            max_model_len=plan.max_model_len,
+        )
         if self.runner.paged_kernel:
             logger.info("Attention: C++ kernel reading the paged KV cache in place (decodes and prefills)")
 
@@ -119,17 +127,19 @@ class Worker:
             spec.block_size,
             self.device,
             self.config.seed,
+            max_num_reqs=1,
+            max_model_len=num_tokens,
         )
-        dummy = ScheduledRequest(
+        dummy = NewRequestData(
             req_id="profile",
-            token_ids=[0] * num_tokens,
-            num_computed_tokens=0,
-            block_ids=list(range(num_blocks)),
-            do_sample=True,
-            sampling_params=SamplingParams(temperature=0.0),
             prompt_token_ids=[0] * num_tokens,
             output_token_ids=[],
+            sampling_params=SamplingParams(temperature=0.0),
             eos_token_ids=frozenset(),
+            block_ids=list(range(num_blocks)),
+            num_computed_tokens=0,
+            num_scheduled_tokens=num_tokens,
+            do_sample=True,
         )
         runner.execute_model(SchedulerOutput(scheduled=[dummy], num_scheduled_tokens=num_tokens))
         torch.cuda.synchronize(self.device)
