@@ -209,9 +209,11 @@ def report(args: argparse.Namespace, soak: Soak, stats: dict, health: int, final
         "errors": dict(errors),
         "rss_mib": {
             "start": rss[0] / 2**20 if rss else None,
+            "quarters": [rss[len(rss) * q // 4] / 2**20 for q in (1, 2, 3)] if rss else None,
             "peak": max(rss) / 2**20 if rss else None,
             "end": final_rss / 2**20,
         },
+        "rss_samples_mib": [(round(t, 1), r / 2**20) for t, r in soak.rss_samples],
         "blocks_leaked": leaked,
         "health_after": health,
         "good_tpot_p50_ms": {
@@ -227,7 +229,8 @@ def report(args: argparse.Namespace, soak: Soak, stats: dict, health: int, final
         f"soak: {args.minutes:g} min at concurrency {args.concurrency}, {args.workload}, git {result['git']}",
         f"requests: {len(soak.outcomes)} ({by_kind}); good ones served: {len(good)}",
         f"errors: {dict(errors) or 'none'}",
-        "server RSS MiB: start {start:.0f}, peak {peak:.0f}, end {end:.0f}".format(**result["rss_mib"])
+        "server RSS MiB: start {start:.0f}, at 1/4 2/4 3/4 {q[0]:.0f} {q[1]:.0f} {q[2]:.0f}, "
+        "peak {peak:.0f}, end {end:.0f}".format(q=result["rss_mib"]["quarters"], **result["rss_mib"])
         if rss
         else "server RSS: not sampled",
         f"KV blocks leaked: {leaked} of {kv_cache['num_blocks']}; /health after: {health}",
