@@ -1,4 +1,5 @@
-# pagedllm: `make serve` sets up and serves the default model; `make test` sets up and runs the tests.
+# pagedllm: `make serve` sets up and serves the default model (flags: make serve ARGS="--port 8001");
+# `make test` sets up and runs the tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,7 +29,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 serve: setup
-	$(BIN)/pagedllm serve
+	$(BIN)/pagedllm serve $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check pagedllm tests benchmarks

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -96,11 +98,12 @@ class LLM:
             raise
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(owners), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished and output.request_id in owners:
-                    finished[output.request_id] = output
-                    bar.update(1)
+        with logging_redirect_tqdm(loggers=[logging.getLogger("pagedllm")]):  # log lines above the bar
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in owners:
+                        finished[output.request_id] = output
+                        bar.update(1)
         bar.close()
         return _merge_by_prompt(finished, owners, len(prompts))
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import sys
+from pathlib import Path
+from typing import Any
 
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
@@ -82,6 +86,7 @@ def run_chat(args: argparse.Namespace) -> None:
     engine = _engine(args)
     params = _sampling_params(args)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    _line_editing()
     print("Chat with the model. /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
     while True:
         try:
@@ -105,3 +110,23 @@ def run_chat(args: argparse.Namespace) -> None:
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": answer})
+
+
+HISTORY_FILE = Path.home() / ".pagedllm_chat_history"
+
+
+def _line_editing() -> None:
+    """Arrow keys, editing and a history kept across sessions for input(), where readline exists."""
+    try:
+        import readline
+    except ImportError:  # e.g. Windows without pyreadline
+        return
+    with contextlib.suppress(OSError):
+        readline.read_history_file(HISTORY_FILE)
+    readline.set_history_length(1000)
+    atexit.register(_save_history, readline)
+
+
+def _save_history(readline: Any) -> None:
+    with contextlib.suppress(OSError):
+        readline.write_history_file(HISTORY_FILE)

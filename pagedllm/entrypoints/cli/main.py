@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from pagedllm import __version__
 from pagedllm.entrypoints.cli import bench, evaluate, generate, plan, serve
 
 
+class StrictParser(argparse.ArgumentParser):
+    """No abbreviations: `--max-num-seq` is an error, not a silent `--max-num-seqs` (nor, once a
+    new flag makes it ambiguous, a different one). Subcommands inherit the class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference around a paged KV cache")
+    parser = StrictParser(prog="pagedllm", description="LLM inference around a paged KV cache")
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     generate.register(subparsers)
     serve.register(subparsers)
