@@ -110,8 +110,10 @@ def render(
     special_tokens: dict[str, Any],
     template_kwargs: dict[str, Any] | None = None,
     time_budget: float | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render `messages` with `template`, as transformers' apply_chat_template does.
+    """Render `messages` with `template`, as transformers' apply_chat_template does (`tools`,
+    when given, is the template's `tools` variable).
 
     Raises ValueError (TemplateTimeoutError past `time_budget` seconds) for a template that
     fails; jinja2's errors and the template's own raise_exception become ValueError too.
@@ -124,8 +126,13 @@ def render(
     deadline.at = None if time_budget is None else time.monotonic() + time_budget
     deadline.budget = time_budget
     try:
+        tools_var = {} if tools is None else {"tools": tools}
         return _compile(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens, **kwargs
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **special_tokens,
+            **tools_var,
+            **kwargs,
         )
     except TemplateTimeoutError:
         raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 
@@ -21,3 +22,18 @@ def has_fast_bf16() -> bool:
     """bfloat16 arithmetic in hardware (AVX-512-BF16 or AMX): there bfloat16 is the fast dtype,
     and oneDNN has kernels for it; elsewhere bfloat16 is converted in software."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+@functools.cache
+def describe_host() -> str:
+    """The CPU model, core count and the flags that decide our kernels: for every published figure."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    model = next(
+        (line.partition(":")[2].strip() for line in lines if line.startswith("model name")), "unknown CPU"
+    )
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    flags = ", ".join(flag for flag in wanted if flag in cpu_flags()) or "none of avx2/avx512/amx"
+    return f"{model}, {os.cpu_count()} cores, {flags}"

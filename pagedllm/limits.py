@@ -25,6 +25,11 @@ INT64_RANGE = (-(2**63), 2**63 - 1)
 """Seeds (vLLM's range: a torch.long)."""
 INT32_MAX = 2**31 - 1
 """top_k and other counts a kernel may hold in 32 bits."""
+MAX_GRAMMAR_SPEC_CHARS = 64 * 1024
+"""A JSON schema, regex, EBNF grammar or choice list (as text): compiling one is work off the
+engine thread, but work nonetheless."""
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+"""A grammar that takes longer to compile is refused (the compile thread finishes it alone)."""
 MAX_JSON_DEPTH = 64
 """Deepest nesting of lists and objects in a request body."""
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024**2

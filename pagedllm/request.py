@@ -15,8 +15,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.backend import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -97,6 +101,8 @@ class Request:
     user: str | None = None
     """Caller's name (the OpenAI `user` field), for per-caller cache statistics."""
     arrival_time: float = field(default_factory=time.monotonic)
+    grammar: RequestGrammar | None = None
+    """Where the output stands in its grammar (structured output requests only)."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -3,9 +3,76 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm import limits
+
+_GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's fields; exactly one of them is set).
+
+    `json`: a JSON schema (dict or its text); `json_object`: any JSON object; `regex`: a regular
+    expression; `choice`: one of these strings exactly; `grammar`: EBNF (xgrammar's dialect, GBNF
+    style: `root ::= ...`). The output is compact JSON unless `disable_any_whitespace` is False:
+    free whitespace lets a small model pad a reply with newlines until max_tokens.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        asked = [kind for kind in _GRAMMAR_KINDS if getattr(self, kind) not in (None, False)]
+        if len(asked) != 1:
+            raise ValueError(
+                "structured_outputs: set exactly one of json, json_object, regex, choice, grammar"
+                + (f" (got {', '.join(asked)})" if asked else "")
+            )
+        kind = asked[0]
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as error:
+                    raise ValueError(f"structured_outputs.json: not valid JSON ({error})") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("structured_outputs.json: a JSON schema is an object")
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise ValueError("structured_outputs.json_object: must be true")
+        elif kind == "choice":
+            if (
+                not isinstance(self.choice, list)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+        elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+            raise ValueError(f"structured_outputs.{kind}: must be a non-empty string")
+        limits.check_text(f"structured_outputs.{kind}", self.spec, limits.MAX_GRAMMAR_SPEC_CHARS)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _GRAMMAR_KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The grammar as text: the key compiled grammars are cached under (with `kind`)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            return json.dumps(value)  # key order kept: properties come out in the schema's order
+        if self.kind == "choice":
+            return json.dumps(value)
+        return "" if self.kind == "json_object" else value
 
 
 @dataclass
@@ -20,6 +87,7 @@ class SamplingParams:
     scoring, e.g. perplexity); such a request never takes prefix-cache hits, since every
     prompt position must go through the model.
     `logit_bias` adds {token_id: bias} to the logits before sampling (OpenAI's field, -100..100).
+    `structured_outputs` constrains every sampled token to a grammar (JSON schema, regex, ...).
     Sizes are bounded by pagedllm.limits; token ids are checked against the vocabulary by the engine.
     """
 
@@ -42,6 +110,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +189,10 @@ class SamplingParams:
             f"must be an integer in [{low}, {high}] (seed + n - 1 too)",
         )
         self._validate_logit_bias()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs: must be a StructuredOutputsParams")
 
     def _validate_logit_bias(self) -> None:
         if self.logit_bias is None:

@@ -32,6 +32,7 @@ def render_chat(
     template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     time_budget: float | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The conversation as text, through `template` or else the tokenizer's chat template."""
     template = template if template is not None else tokenizer.chat_template
@@ -44,6 +45,7 @@ def render_chat(
         special_tokens=tokenizer.special_tokens_map,
         template_kwargs=template_kwargs,
         time_budget=time_budget,
+        tools=tools,
     )
 
 

@@ -102,13 +102,19 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "Hello", "echo": True}, 400, "echo"),
     (
         "/v1/completions",
-        {"prompt": "Hello", "response_format": {"type": "json_object"}},
+        {"prompt": "Hello", "structured_outputs": {"regex": "(" * 5000}},
         400,
-        "response_format",
+        "structured_outputs.regex",
     ),
     (
         "/v1/chat/completions",
-        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"},
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f g"}}]},
         400,
         "tools",
     ),

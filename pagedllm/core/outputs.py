@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class SchedulerOutput:
     """Requests whose blocks a preemption took this step; the runner drops their state too."""
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step; the runner drops their state."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Which tokens the constrained requests sampling this step may take (structured output)."""
 
     @property
     def is_empty(self) -> bool:

@@ -31,6 +31,7 @@ from pagedllm.core.outputs import (
 )
 from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output.bitmask import fill_bitmask
 
 # lpm looks this far down the waiting queue, and lets the head be passed over at most
 # this many times before it is admitted regardless (bounded wait, no starvation).
@@ -104,6 +105,13 @@ class Scheduler:
             num_scheduled_tokens=self.config.token_budget - token_budget,
             preempted_req_ids=[r.req_id for r in preempted],
             finished_req_ids=self._finished_req_ids,
+            grammar_bitmask=fill_bitmask(
+                [
+                    (s.req_id, grammar)
+                    for s in scheduled
+                    if s.do_sample and (grammar := self.requests[s.req_id].grammar) is not None
+                ]
+            ),
         )
         self._finished_req_ids = []
         return output
@@ -238,6 +246,10 @@ class Scheduler:
                 continue
             request.append_output_token_id(token_id)
             self.num_generation_tokens += 1
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                outputs.append(self._fail(request, f"token {token_id} does not follow the grammar", now))
+                any_finished = True
+                continue
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
@@ -282,6 +294,8 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

@@ -38,7 +38,7 @@ from pagedllm import limits
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._submit_lock = threading.Lock()
         self._is_stopped = False
+        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
 
     @property
     def is_healthy(self) -> bool:
@@ -179,6 +180,7 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         """Stop the engine thread after the commands already queued (aborts among them)."""
         self.stop_admitting()
+        self._grammar_thread.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(None)
             await asyncio.to_thread(self._thread.join)
@@ -200,6 +202,8 @@ class AsyncLLM:
         QueueFullError past --max-queue-len, EngineUnavailableError when not serving."""
         self._check_available()
         self._check(prompts, params, cache_salt, user)
+        if params.structured_outputs is not None:
+            await self._compile_grammar(params.structured_outputs)
         req_ids = [f"{request_id}-{i}" for i in range(len(prompts) * params.n)]
         stream = RequestStream(self, req_ids)
         # Routes exist before the add is sent, so the first outputs always find their stream.
@@ -258,6 +262,18 @@ class AsyncLLM:
                 self.engine.check_request(
                     prompt["prompt_token_ids"], params, cache_salt=cache_salt, user=user
                 )
+
+    async def _compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a request's grammar on the grammar thread (a slow one holds up no step and no
+        tokenization); the engine thread then finds it cached. ValueError if it is invalid or too slow."""
+        future = self._grammar_thread.submit(self.engine.structured_output.compile, params)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), limits.GRAMMAR_COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise ValueError(
+                f"structured_outputs.{params.kind}: took over {limits.GRAMMAR_COMPILE_TIMEOUT_S:g} s "
+                "to compile; simplify it"
+            ) from None
 
     def _check_available(self) -> None:
         if self.error is not None:

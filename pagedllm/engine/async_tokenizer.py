@@ -41,6 +41,7 @@ class AsyncTokenizer:
         *,
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """{"prompt": text, "prompt_token_ids": ids}, rendered within the time budget."""
         build = functools.partial(
@@ -51,6 +52,7 @@ class AsyncTokenizer:
             template=template,
             template_kwargs=template_kwargs,
             time_budget=self.template_time_budget,
+            tools=tools,
         )
         return await self._run(build)
 

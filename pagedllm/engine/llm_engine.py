@@ -26,6 +26,7 @@ from pagedllm.model.loader import model_display_name, resolve_model_folder
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend import StructuredOutputBackend
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
 from pagedllm.worker.worker import Worker
@@ -76,6 +77,9 @@ class LLMEngine:
             ]
         )
         self._request_counter = itertools.count()
+        self.structured_output = StructuredOutputBackend(
+            self.tokenizer, self.model_config.vocab_size, self._eos_token_ids
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -107,6 +111,11 @@ class LLMEngine:
         req_id = request_id if request_id is not None else str(next(self._request_counter))
         if req_id in self.scheduler.requests or self.output_processor.has_request(req_id):
             raise ValueError(f"request_id: {req_id!r} is already in use")
+        grammar = (
+            self.structured_output.grammar_for(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None
+        )
         request = Request(
             req_id=req_id,
             prompt_token_ids=prompt_ids,
@@ -117,6 +126,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             user=user,
             arrival_time=arrival_time or time.monotonic(),
+            grammar=grammar,
         )
         self.kv_cache_manager.hash_prompt(request)  # here, where a failure is this request's alone
         self.output_processor.add_request(request)

@@ -1,9 +1,9 @@
 """ModelRunner: the mechanism that executes one scheduled step on the device.
 
 scheduled requests -> request table -> input tensors -> model -> logits of the rows to sample
--> sampler. It receives ids, counts and, once per request, its prompt and settings
-(SchedulerOutput), never scheduler objects; it keeps its own copy of each request
-(request_table.py) and appends the tokens it samples.
+-> grammar bitmask (structured output) -> sampler. It receives ids, counts and, once per
+request, its prompt and settings (SchedulerOutput), never scheduler objects; it keeps its own
+copy of each request (request_table.py) and appends the tokens it samples.
 
 Failure isolation: the forward pass is the whole batch's, and an error there propagates (the
 engine's state is then unknown). What is one request's own (its sampling settings, its prompt
@@ -22,6 +22,7 @@ from pagedllm.attention import cpu_kernel
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
+from pagedllm.structured_output.bitmask import apply_bitmask
 from pagedllm.worker.input_builder import build_model_input
 from pagedllm.worker.request_table import RequestTable, StepRequest
 
@@ -75,6 +76,11 @@ class ModelRunner:
                 )
         if model_input.sampled:
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
+            grammar = scheduler_output.grammar_bitmask
+            if grammar is not None:
+                output.failed.update(grammar.failed)
+                rows = {req.req_id: row for row, req in enumerate(model_input.sampled)}
+                apply_bitmask(logits, grammar, rows)
             self._sample(logits, model_input.sampled, output)
         return output
 

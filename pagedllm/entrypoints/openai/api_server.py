@@ -55,6 +55,7 @@ from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from pagedllm.logger import configure_logging
 from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics
@@ -128,6 +129,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Seconds a chat template may take to render; past it the request gets a 400. (default: 5)",
     )
     group.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='Serve tool_choice "auto": the model calls tools when it chooses, and --tool-call-parser '
+        'reads the calls out of its text. "required" and a named function are always served '
+        "(a grammar forces the call). (default: on)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="How tool calls are written in the model's output: hermes = <tool_call>{...}</tool_call> "
+        "(Hermes, Qwen2.5, SmolLM2). (default: hermes)",
+    )
+    group.add_argument(
         "--metrics-caller-label",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -148,6 +164,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def make_arg_parser() -> argparse.ArgumentParser:
     return add_server_args(
         argparse.ArgumentParser(
+            allow_abbrev=False,
             prog="python -m pagedllm.entrypoints.openai.api_server",
             description="OpenAI-compatible server (same flags as `pagedllm serve`).",
         )
@@ -182,6 +199,7 @@ def build_app(
     api_key: str | None = None,
     max_request_body_bytes: int = limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = "hermes",
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -196,7 +214,13 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost
     completions = ServingCompletion(engine, models, tokenizer)
-    chat = ServingChat(engine, models, tokenizer, trust_request_chat_template=trust_request_chat_template)
+    chat = ServingChat(
+        engine,
+        models,
+        tokenizer,
+        trust_request_chat_template=trust_request_chat_template,
+        tool_call_parser=tool_call_parser,
+    )
     tokenization = ServingTokenization(models, tokenizer, chat, engine.engine.model_config.vocab_size)
 
     @app.get("/v1/models")
@@ -364,6 +388,7 @@ def run_server(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -2,8 +2,8 @@
 
 Requests take OpenAI's fields plus vLLM's extensions (top_k, min_p, repetition_penalty, ...);
 unknown fields are ignored, as vLLM's server does. A field left out or sent as null keeps the
-engine's default. Fields pagedllm does not implement yet (response_format, tools, echo, ...) are
-declared so that a request using them gets a 400 naming the field instead of silent prose
+engine's default. Fields pagedllm does not implement yet (echo, suffix, ...) are declared so that
+a request using them gets a 400 naming the field instead of silent results
 (serving_common.refuse_unsupported). Every string in a body must be valid Unicode (JSON can
 carry a lone surrogate such as "\ud800", which nothing downstream can encode), and nesting is
 bounded by limits.MAX_JSON_DEPTH.
@@ -68,6 +68,30 @@ class StreamOptions(OpenAIModel):
     """Every chunk carries the usage so far of its choice (vLLM's extension)."""
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    """Accepted; the output always follows the schema (the grammar allows nothing else)."""
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: str | dict[str, Any] | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class SamplingFields(OpenAIModel):
     """What both generation endpoints share: the model, sampling, stopping, streaming."""
 
@@ -95,8 +119,9 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     """{token id (as a string, OpenAI's form): bias in [-100, 100]} added to the logits."""
-    response_format: dict[str, Any] | None = None
-    """Only {"type": "text"} for now; structured output is refused with a 400."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}."""
+    structured_outputs: StructuredOutputsFields | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -125,6 +150,19 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments."""
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -138,9 +176,11 @@ class ChatCompletionRequest(SamplingFields):
     --trust-request-chat-template (a template is code)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (its own arguments, such as messages, are refused)."""
-    tools: list[dict[str, Any]] | None = None
-    """Not served yet: a non-empty list is refused with a 400."""
+    tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    """none | auto (the default with tools) | required | {"type": "function", "function": {"name": ...}}."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call (tool_choice required)."""
     functions: list[dict[str, Any]] | None = None
     """OpenAI's deprecated tools field: refused like tools."""
 
@@ -212,9 +252,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -234,9 +287,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatStreamChoice(BaseModel):

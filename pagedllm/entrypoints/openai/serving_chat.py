@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the tokenizer's chat template, n choices, whole or streamed."""
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, n choices, whole or
+streamed; tools and tool calls as tools.py plans them."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     ChatMessageOut,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
 )
 from pagedllm.entrypoints.openai.serving_common import (
@@ -37,6 +42,15 @@ from pagedllm.entrypoints.openai.serving_common import (
     usage,
 )
 from pagedllm.entrypoints.openai.serving_models import ServedModels
+from pagedllm.entrypoints.openai.tools import (
+    ToolPlan,
+    calls_from_output,
+    conversation_for_template,
+    new_call_id,
+    plan_tools,
+    required_calls,
+    template_uses_tools,
+)
 from pagedllm.outputs import RequestOutput
 
 
@@ -48,11 +62,14 @@ class ServingChat:
         tokenizer: AsyncTokenizer,
         *,
         trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = "hermes",
     ) -> None:
+        """tool_call_parser: reads tool calls out of free text (tool_choice auto); None refuses auto."""
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_call_parser = tool_call_parser
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
@@ -63,19 +80,20 @@ class ServingChat:
         max_tokens = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
-        params = sampling_params(request, max_tokens=max_tokens, logprobs=num_top)
-        refuse_unsupported(
+        refuse_unsupported(request, {"functions": bool(request.functions)})
+        plan = plan_tools(request, self.tool_call_parser)
+        params = sampling_params(
             request,
-            {
-                "tools": bool(request.tools) or bool(request.functions),
-                "tool_choice": request.tool_choice not in (None, "none"),
-            },
+            max_tokens=max_tokens,
+            logprobs=num_top,
+            structured_outputs=plan.grammar if plan is not None else None,
         )
         prompt = await self.prompt(
             request.messages,
             request.add_generation_prompt,
             request.chat_template,
             request.chat_template_kwargs,
+            tools=plan.tools if plan is not None else None,
         )
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.engine.generate(
@@ -88,22 +106,25 @@ class ServingChat:
         )
         if request.stream:
             return StreamingResponse(
-                self._stream(request, stream, response_id, model, params.n, num_top),
+                self._stream(request, stream, response_id, model, params.n, num_top, plan),
                 media_type="text/event-stream",
             )
         outputs = await collect_until_disconnected(raw_request, stream)
         if outputs is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
-        choices = [
-            ChatChoice(
-                index=index,
-                message=ChatMessageOut(content=output.outputs[0].text),
-                logprobs=_logprobs(output, 0, len(output.outputs[0].token_ids), num_top),
-                finish_reason=output.outputs[0].finish_reason,
-                stop_reason=output.outputs[0].stop_reason,
+        choices = []
+        for index, output in enumerate(outputs):
+            completion = output.outputs[0]
+            message = _message(completion.text, plan)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=_logprobs(output, 0, len(completion.token_ids), num_top),
+                    finish_reason=_finish_reason(completion.finish_reason, plan, bool(message.tool_calls)),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for index, output in enumerate(outputs)
-        ]
         return Response(
             ChatCompletionResponse(
                 id=response_id, model=model, choices=choices, usage=usage(dict(enumerate(outputs)), params.n)
@@ -119,12 +140,14 @@ class ServingChat:
         model: str,
         n: int,
         num_top: int | None,
+        plan: ToolPlan | None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
         continuous = options is not None and options.continuous_usage_stats
         tracker = DeltaTracker(len(stream.req_ids))
         latest: dict[int, RequestOutput] = {}
+        tool_streams = [_ToolStream(plan) for _ in stream.req_ids]
 
         def chunk(choice: ChatStreamChoice, output: RequestOutput | None = None) -> str:
             return sse(
@@ -147,13 +170,15 @@ class ServingChat:
             latest[index] = output
             text, start, end = tracker.advance(index, output)
             completion = output.outputs[0]
-            if not text and not completion.finished and (num_top is None or start == end):
+            tools = tool_streams[index]
+            content, calls = tools.feed(text, completion.finished)
+            if not content and not calls and not completion.finished and (num_top is None or start == end):
                 return
             choice = ChatStreamChoice(
                 index=index,
-                delta=DeltaMessage(content=text),
+                delta=DeltaMessage(content=content or (None if calls else ""), tool_calls=calls or None),
                 logprobs=_logprobs(output, start, end, num_top),
-                finish_reason=completion.finish_reason,
+                finish_reason=_finish_reason(completion.finish_reason, plan, tools.num_calls > 0),
                 stop_reason=completion.stop_reason,
             )
             yield chunk(choice, output)
@@ -178,10 +203,13 @@ class ServingChat:
         add_generation_prompt: bool,
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The conversation rendered and tokenized, on the tokenizer's thread. A template sent by
         the client (chat_template, or chat_template_kwargs.chat_template) is code: it runs only
-        with --trust-request-chat-template."""
+        with --trust-request-chat-template. `tools` go to a template that uses them, else into
+        the conversation as text (tools.conversation_for_template)."""
         template_kwargs = dict(template_kwargs or {})
         if "chat_template" in template_kwargs:
             template = template_kwargs.pop("chat_template")
@@ -192,8 +220,20 @@ class ServingChat:
             )
         if template is not None and not isinstance(template, str):
             raise ValueError("chat_template: must be a string")
+        conversation = _conversation(messages)
+        template_tools = None
+        if tools is not None or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
+            source = template if template is not None else self.tokenizer.tokenizer.chat_template
+            if template_uses_tools(source):
+                template_tools = tools or None
+            else:
+                conversation = conversation_for_template(conversation, tools or [], template_has_tools=False)
         return await self.tokenizer.chat_prompt(
-            _conversation(messages), add_generation_prompt, template=template, template_kwargs=template_kwargs
+            conversation,
+            add_generation_prompt,
+            template=template,
+            template_kwargs=template_kwargs,
+            tools=template_tools,
         )
 
 
@@ -211,6 +251,73 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry["content"] = content or ""
         conversation.append(entry)
     return conversation
+
+
+def _message(text: str, plan: ToolPlan | None) -> ChatMessageOut:
+    if plan is None or plan.mode == "none":
+        return ChatMessageOut(content=text)
+    content, calls = calls_from_output(plan, text)
+    return ChatMessageOut(
+        content=content,
+        tool_calls=[
+            ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+            for call in calls
+        ],
+    )
+
+
+def _finish_reason(reason: str | None, plan: ToolPlan | None, has_calls: bool) -> str | None:
+    """OpenAI's: "tool_calls" when the model chose to call (auto, required) and stopped on its own;
+    a named function ends with "stop", as the call was the client's choice."""
+    if reason == "stop" and has_calls and plan is not None and plan.mode in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+class _ToolStream:
+    """One streamed choice's text -> content deltas and tool call deltas. Named: the output is the
+    call's arguments, streamed as they come; required: calls at the end (the JSON list must be
+    whole); auto: the parser holds back a possible call until its closing tag."""
+
+    def __init__(self, plan: ToolPlan | None) -> None:
+        self.plan = plan if plan is not None and plan.mode != "none" else None
+        self.parser = self.plan.parser() if self.plan is not None else None
+        self.num_calls = 0
+        self._text = ""
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        if self.plan is None:
+            return text, []
+        if self.plan.mode == "named":
+            calls = []
+            if self.num_calls == 0 and (text or finished):
+                calls.append(self._header(self.plan.function or "", text))
+            elif text:
+                calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
+            return "", calls
+        if self.plan.mode == "required":
+            self._text += text
+            if not finished:
+                return "", []
+            return "", [self._header(call.name, call.arguments) for call in required_calls(self._text)]
+        if self.parser is None:
+            return text, []
+        content, parsed = self.parser.feed(text)
+        if finished:
+            rest, last = self.parser.finish()
+            content, parsed = content + rest, parsed + last
+        return content, [self._header(call.name, call.arguments) for call in parsed]
+
+    def _header(self, name: str, arguments: str) -> DeltaToolCall:
+        """A call's first delta: its index, id, type and name, with the arguments so far."""
+        call = DeltaToolCall(
+            index=self.num_calls,
+            id=new_call_id(),
+            type="function",
+            function=DeltaFunctionCall(name=name, arguments=arguments),
+        )
+        self.num_calls += 1
+        return call
 
 
 def _logprobs(output: RequestOutput, start: int, end: int, num_top: int | None) -> ChatLogprobs | None:

@@ -15,7 +15,7 @@ from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import error_json, to_api_error
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -40,21 +40,51 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sampling_params(
-    request: SamplingFields, *, max_tokens: int | None, logprobs: int | None
+    request: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """Fields sent as null keep SamplingParams' defaults. Raises ValueError naming a bad field."""
+    """Fields sent as null keep SamplingParams' defaults. Raises ValueError naming a bad field.
+    `structured_outputs` (a tool call's grammar) takes the place of the request's own."""
     fields = {name: getattr(request, name) for name in _SAMPLING_FIELDS if getattr(request, name) is not None}
     return SamplingParams(
-        **fields, max_tokens=max_tokens, logprobs=logprobs, logit_bias=_logit_bias(request.logit_bias)
+        **fields,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        logit_bias=_logit_bias(request.logit_bias),
+        structured_outputs=structured_outputs or requested_structured_outputs(request),
     )
+
+
+def requested_structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The grammar a request asks for: OpenAI's response_format or vLLM's structured_outputs."""
+    response_format, fields = request.response_format, request.structured_outputs
+    if response_format is not None and response_format.type != "text" and fields is not None:
+        raise ValueError("structured_outputs: give response_format or structured_outputs, not both")
+    if fields is not None:
+        return StructuredOutputsParams(
+            json=fields.json_,
+            json_object=fields.json_object,
+            regex=fields.regex,
+            choice=fields.choice,
+            grammar=fields.grammar,
+            disable_any_whitespace=fields.disable_any_whitespace is not False,
+        )
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    spec = response_format.json_schema
+    if spec is None or spec.schema_ is None:
+        raise ValueError("response_format.json_schema: a json_schema format needs json_schema.schema")
+    return StructuredOutputsParams(json=spec.schema_)
 
 
 def refuse_unsupported(request: SamplingFields, unsupported: dict[str, bool]) -> None:
     """ValueError naming the first field asked for that pagedllm does not serve: a user who asked
-    for JSON must not get prose with no sign why. `unsupported`: {field: whether it was asked for}."""
-    response_format = request.response_format
-    if response_format is not None and response_format.get("type") != "text":
-        unsupported = {"response_format": True, **unsupported}
+    for something must not get a result with no sign why. `unsupported`: {field: whether asked}."""
     for name, asked in unsupported.items():
         if asked:
             raise ValueError(f"{name}: not supported by this server (yet); leave it out")

@@ -1,0 +1,11 @@
+"""Structured output: the sampled tokens of a request follow a grammar (JSON schema, regex, EBNF).
+
+    request arrives       backend.compile(params)        off the engine thread; compiled grammars cached
+    LLMEngine.add_request backend.grammar_for(params)    a matcher: this request's place in its grammar
+    Scheduler.schedule    fill_bitmask(requests)         which tokens each constrained row may take next
+    ModelRunner           apply_bitmask(logits)          the rest get -inf, before penalties and sampling
+    update_from_output    grammar.accept(token)          a finished grammar stops the request
+
+Constrained and free requests share a step: only the constrained rows are masked. xgrammar (the
+grammar engine vLLM uses by default) does the compiling and matching.
+"""
