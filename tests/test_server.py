@@ -284,6 +284,37 @@ def test_cached_tokens_reported_for_a_repeated_prompt(client):
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_timings_split_each_request_and_keep_the_openai_client_working(client):
+    """`timings` (llama.cpp's names): counts that add up to usage, times that add up to the
+    request's; in a whole response and in the last chunk of a stream."""
+    prompt = "Timings of a long shared document. " * 20 + "Summary:"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    second = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=0
+    )
+    repeat = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    for reply in (first, second, repeat):
+        t = reply.model_extra["timings"]
+        assert t["prompt_n"] + t["cache_n"] == reply.usage.prompt_tokens
+        assert t["cache_n"] == reply.usage.prompt_tokens_details.cached_tokens
+        assert t["predicted_n"] == reply.usage.completion_tokens
+        assert t["queue_ms"] >= 0 and t["prompt_ms"] > 0 and t["predicted_ms"] > 0
+        assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / (t["predicted_n"] - 1))
+    assert repeat.model_extra["timings"]["cache_n"] > 0 == first.model_extra["timings"]["cache_n"]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+        )
+    )
+    ended = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(ended) == 1 and ended[0].model_extra["timings"]["predicted_n"] == 5
+    assert all("timings" not in (c.model_extra or {}) for c in chunks if c not in ended)
+
+
 def test_n_choices_are_seeded_like_offline(client, llm):
     params = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12)
     expected = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs

@@ -205,6 +205,24 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class Timings(BaseModel):
+    """Where one sequence's time went (llama.cpp's server names where they mean the same):
+    queue_ms waiting for a seat; prompt_ms the prefill of prompt_n prompt tokens (cache_n more
+    came from the prefix cache); predicted_ms the decode, first to last of predicted_n tokens."""
+
+    queue_ms: float
+    prompt_n: int
+    cache_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float | None
+    prompt_per_second: float | None
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float | None
+    """predicted_ms over the predicted_n - 1 gaps between tokens (vLLM's TPOT)."""
+    predicted_per_second: float | None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -236,6 +254,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Of choice 0 in a whole response; of the choice that ends, in its stream's last chunk."""
 
 
 class TopLogprob(BaseModel):
@@ -285,6 +305,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    timings: Timings | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Of choice 0 (each choice's own: its last stream chunk)."""
 
 
 class DeltaFunctionCall(BaseModel):
@@ -320,6 +342,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = Field(default=None, exclude_if=lambda v: v is None)
+    """In the chunk where a choice ends: that choice's timings."""
 
 
 class ModelCard(BaseModel):

@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     refuse_unsupported,
     sampling_params,
     sse,
+    timings,
     top_logprobs,
     usage,
 )
@@ -127,7 +128,11 @@ class ServingChat:
             )
         return Response(
             ChatCompletionResponse(
-                id=response_id, model=model, choices=choices, usage=usage(dict(enumerate(outputs)), params.n)
+                id=response_id,
+                model=model,
+                choices=choices,
+                usage=usage(dict(enumerate(outputs)), params.n),
+                timings=timings(outputs[0]),
             ).model_dump_json(),
             media_type="application/json",
         )
@@ -157,6 +162,7 @@ class ServingChat:
                     model=model,
                     choices=[choice],
                     usage=choice_usage(output) if continuous and output is not None else None,
+                    timings=timings(output) if output is not None and output.finished else None,
                 )
             )
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import error_json, to_api_error
-from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, Timings, UsageInfo
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -112,6 +112,27 @@ def usage(outputs: Mapping[int, RequestOutput], n: int) -> UsageInfo:
         prompt_tokens_details=PromptTokensDetails(
             cached_tokens=sum(output.num_cached_tokens for output in firsts)
         ),
+    )
+
+
+def timings(output: RequestOutput) -> Timings:
+    """The sequence's queue, prefill and decode time, from the engine's own timestamps."""
+    metrics = output.metrics
+    prompt_n = len(output.prompt_token_ids) - output.num_cached_tokens
+    predicted_n = len(output.outputs[0].token_ids)
+    prompt_s, decode_s = metrics.prefill_time or 0.0, metrics.decode_time or 0.0
+    gaps = predicted_n - 1
+    return Timings(
+        queue_ms=(metrics.queue_time or 0.0) * 1e3,
+        prompt_n=prompt_n,
+        cache_n=output.num_cached_tokens,
+        prompt_ms=prompt_s * 1e3,
+        prompt_per_token_ms=prompt_s * 1e3 / prompt_n if prompt_n else None,
+        prompt_per_second=prompt_n / prompt_s if prompt_s else None,
+        predicted_n=predicted_n,
+        predicted_ms=decode_s * 1e3,
+        predicted_per_token_ms=decode_s * 1e3 / gaps if gaps > 0 else None,
+        predicted_per_second=gaps / decode_s if gaps > 0 and decode_s else None,
     )
 
 

@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     refuse_unsupported,
     sampling_params,
     sse,
+    timings,
     top_logprobs,
     usage,
 )
@@ -81,7 +82,11 @@ class ServingCompletion:
         ]
         return Response(
             CompletionResponse(
-                id=response_id, model=model, choices=choices, usage=usage(dict(enumerate(outputs)), params.n)
+                id=response_id,
+                model=model,
+                choices=choices,
+                usage=usage(dict(enumerate(outputs)), params.n),
+                timings=timings(outputs[0]),
             ).model_dump_json(),
             media_type="application/json",
         )
@@ -116,6 +121,7 @@ class ServingCompletion:
                     model=model,
                     choices=[choice],
                     usage=choice_usage(output) if continuous else None,
+                    timings=timings(output) if completion.finished else None,
                 )
             )
 
