@@ -133,6 +133,13 @@ class EngineConfig:
     prefix_caching_hash_algo: HashAlgo = field(
         default="sha256", metadata=_flag("Hash for prefix-cache block keys.")
     )
+    divergence_finder_tokens: int = field(
+        default=1_000_000,
+        metadata=_flag(
+            "Prompt tokens the prefix divergence finder keeps (4 bytes each, plus an index entry "
+            "per block) to say where prompts stop sharing a prefix; 0 turns it off."
+        ),
+    )
     scheduling_policy: SchedulingPolicy = field(
         default="fcfs",
         metadata=_flag("fcfs: arrival order. lpm: prefer waiting requests with the longest cached prefix."),
@@ -196,6 +203,7 @@ class EngineConfig:
             "must be >= 1",
         )
         need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
+        need(self.divergence_finder_tokens >= 0, "divergence_finder_tokens", "must be >= 0")
         need(self.log_stats_interval > 0, "log_stats_interval", "must be > 0")
 
     @property

@@ -567,6 +567,17 @@ def test_stats_and_dashboard(server, client, http, llm):
     assert httpx.get(f"{server.url}/stats").status_code == 401  # it names callers: guarded like /v1
 
 
+def test_stats_name_where_prompts_stop_sharing(client, http):
+    rules = "Answer briefly and cite sources. " * 12
+    for second in (7, 9, 11):
+        client.completions.create(
+            model=MODEL, prompt=f"Support bot. Time: 10:41:{second:02d}\n{rules}Q: hi", max_tokens=1
+        )
+    [group] = [g for g in http.get("/stats").json()["prefix_divergence"] if "10:41:" in g["variants"][0]]
+    assert group["requests"] == 2 and group["shares_again_tokens"] > 40
+    assert group["recoverable_tokens"] % 16 == 0 and group["recoverable_tokens"] >= 32
+
+
 def test_tokenize_and_detokenize(http, llm):
     tokenizer = llm.get_tokenizer()
     tokens = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()

@@ -29,6 +29,7 @@ from pagedllm.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.bitmask import fill_bitmask
@@ -40,13 +41,22 @@ LPM_MAX_SKIPS = 16
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        divergence: DivergenceFinder | None = None,
+    ) -> None:
+        """divergence: told of every prompt admitted with prefix caching on (it reports where
+        prompts stop sharing a prefix)."""
         capacity = kv_cache_manager.block_pool.num_blocks * kv_cache_manager.block_size
         # With this, a request alone always fits, so preempting all others always frees enough.
         assert max_model_len <= capacity, f"max_model_len {max_model_len} exceeds the pool ({capacity} slots)"
         self.config = config
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
+        self.divergence = divergence
         self.requests: dict[str, Request] = {}
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.running: list[Request] = []
@@ -183,6 +193,8 @@ class Scheduler:
         request.metrics.first_scheduled_time = time.monotonic()
         if self.kv_cache_manager.enable_caching:
             self.prefix_cache_stats.record(request.user, request.num_prompt_tokens, num_hit_tokens)
+            if self.divergence is not None:
+                self.divergence.observe(request.prompt_token_ids, request.block_hashes)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

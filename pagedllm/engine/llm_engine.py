@@ -19,6 +19,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.model.config import ModelConfig
@@ -63,7 +64,14 @@ class LLMEngine:
             self.config.enable_prefix_caching,
             self.config.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(self.config, self.kv_cache_manager, max_model_len)
+        self.divergence = (
+            DivergenceFinder(
+                self.config.block_size, self.tokenizer.decode, max_tokens=self.config.divergence_finder_tokens
+            )
+            if self.config.enable_prefix_caching and self.config.divergence_finder_tokens
+            else None
+        )
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, max_model_len, self.divergence)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_logger = (
             None

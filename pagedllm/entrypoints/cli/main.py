@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from pagedllm import __version__
-from pagedllm.entrypoints.cli import bench, evaluate, generate, plan, serve
+from pagedllm.entrypoints.cli import analyze, bench, evaluate, generate, plan, serve
 
 
 class StrictParser(argparse.ArgumentParser):
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(subparsers)
     plan.register(subparsers)
     evaluate.register(subparsers)
+    analyze.register(subparsers)
     return parser
 
 

@@ -18,6 +18,7 @@ get an error event, and the process exits 1 with the reason logged, for a superv
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -152,6 +153,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "personal data and /metrics is scraped from outside. (default: on)",
     )
     group.add_argument(
+        "--divergence-text",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Show the differing text where prompts stop sharing a prefix (GET /stats, /dashboard); "
+        "it is your users' data: --no-divergence-text keeps offsets and counts only. (default: on)",
+    )
+    group.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -200,6 +208,7 @@ def build_app(
     max_request_body_bytes: int = limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = "hermes",
+    divergence_text: bool = True,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -257,9 +266,17 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    divergence = engine.engine.divergence
+
     @app.get("/stats")
     async def stats() -> dict:
-        return live_stats.snapshot()
+        snapshot = live_stats.snapshot()
+        if divergence is not None:  # the analysis of new prompts runs off the event loop
+            groups = await asyncio.to_thread(divergence.report)
+            snapshot["prefix_divergence"] = [
+                g.as_dict(divergence_text, divergence.block_size) for g in groups
+            ]
+        return snapshot
 
     @app.get("/dashboard")
     async def dashboard() -> HTMLResponse:
@@ -389,6 +406,7 @@ def run_server(args: argparse.Namespace) -> None:
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        divergence_text=args.divergence_text,
     )
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -1,0 +1,55 @@
+"""`pagedllm analyze prefix`: why a workload's prompts miss the prefix cache, before serving it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from pagedllm.bench.workload import Conversation, load_workload
+from pagedllm.metrics.prefix_report import analyze_prompts, format_report
+from pagedllm.model.loader import resolve_model_folder
+from pagedllm.tokenizer import chat_prompt, load_tokenizer
+
+
+def register(subparsers) -> None:
+    analyze = subparsers.add_parser("analyze", help="workload analyses (prefix: where prompts stop sharing)")
+    kinds = analyze.add_subparsers(dest="kind", required=True)
+    parser = kinds.add_parser(
+        "prefix",
+        help="where a workload's prompts stop sharing a prefix, and the hit rate if that part moved",
+    )
+    parser.add_argument("--workload", required=True, help="JSONL of prompts or conversations (as bench)")
+    parser.add_argument("--model", default=None, help="whose tokenizer and chat template (default model)")
+    parser.add_argument("--block-size", type=int, default=16, help="the engine's --block-size (16)")
+    parser.add_argument("--top", type=int, default=10, help="divergence points listed (10)")
+    parser.add_argument(
+        "--divergence-text",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show the differing text (--no-divergence-text: offsets and counts only)",
+    )
+    parser.add_argument("--output-json", default=None)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    tokenizer = load_tokenizer(resolve_model_folder(args.model))
+    workload = load_workload(args.workload)
+    prompts = []
+    for item in workload:
+        if isinstance(item, Conversation):  # its first turn: later ones need the model's answers
+            messages = [{"role": "system", "content": item.system}] if item.system else []
+            messages.append({"role": "user", "content": item.turns[0]})
+            prompts.append(chat_prompt(tokenizer, messages)["prompt_token_ids"])
+        else:
+            prompts.append(tokenizer(item.prompt).input_ids)
+    report = analyze_prompts(prompts, args.block_size, tokenizer.decode, top=args.top)
+    print(f"{args.workload}:")
+    print(format_report(report, with_text=args.divergence_text))
+    if args.output_json:
+        body = asdict(report) | {
+            "groups": [g.as_dict(args.divergence_text, args.block_size) for g in report.groups]
+        }
+        with open(args.output_json, "w") as f:
+            json.dump(body, f, indent=2)

@@ -1,0 +1,97 @@
+"""`pagedllm analyze prefix`: the divergence finder over a workload file, without an engine, and
+the prefix-cache hit rate the file gets as it is and with each prompt's variable span moved to
+its end (both computed by replaying the prompts' chained block hashes, as the engine keys them).
+
+The hit rate here is the engine's with an unbounded cache: a prompt's leading full blocks already
+seen are hits, at most all but its last token (one token is always computed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pagedllm.core.block_hash import get_hash_function, hash_block_tokens
+from pagedllm.metrics.divergence import DivergenceFinder, DivergenceGroup
+
+
+@dataclass
+class PrefixReport:
+    num_prompts: int
+    prompt_tokens: int
+    groups: list[DivergenceGroup]
+    hit_rate: float
+    hit_rate_moved: float
+    """With each diverging prompt's differing span moved to the end of the prompt."""
+    num_moved: int
+
+
+def analyze_prompts(
+    prompts: Sequence[Sequence[int]],
+    block_size: int,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    hash_algo: str = "sha256",
+    top: int = 10,
+) -> PrefixReport:
+    hash_fn = get_hash_function(hash_algo)
+    finder = DivergenceFinder(block_size, decode, max_tokens=sum(len(p) for p in prompts) + 1)
+    ids: list[int | None] = [finder.observe(p, block_hashes(p, block_size, hash_fn)) for p in prompts]
+    divergences = finder.analyse()
+    moved = []
+    for prompt, prompt_id in zip(prompts, ids, strict=True):
+        div = divergences.get(prompt_id) if prompt_id is not None else None
+        if div is None:
+            moved.append(list(prompt))
+        else:  # the shared text after the span comes forward; the span goes last
+            moved.append([*prompt[: div.start], *prompt[div.end :], *prompt[div.start : div.end]])
+    return PrefixReport(
+        num_prompts=len(prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        groups=finder.report(top),
+        hit_rate=replay_hit_rate(prompts, block_size, hash_fn),
+        hit_rate_moved=replay_hit_rate(moved, block_size, hash_fn),
+        num_moved=len(divergences),
+    )
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, hash_fn) -> list[bytes]:
+    parent, hashes = None, []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block_tokens(hash_fn, parent, list(tokens[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+def replay_hit_rate(prompts: Sequence[Sequence[int]], block_size: int, hash_fn) -> float:
+    """Prompt tokens found in an unbounded prefix cache fed with the prompts in order."""
+    seen: set[bytes] = set()
+    hits = total = 0
+    for tokens in prompts:
+        hashes = block_hashes(tokens, block_size, hash_fn)
+        hit_blocks = 0
+        while hit_blocks < min(len(hashes), (len(tokens) - 1) // block_size) and hashes[hit_blocks] in seen:
+            hit_blocks += 1
+        hits += hit_blocks * block_size
+        total += len(tokens)
+        seen.update(hashes)
+    return hits / total if total else 0.0
+
+
+def format_report(report: PrefixReport, with_text: bool = True) -> str:
+    lines = [
+        f"{report.num_prompts:,} prompts, {report.prompt_tokens:,} prompt tokens",
+        f"prefix-cache hit rate as they are: {report.hit_rate:.1%}",
+    ]
+    if not report.groups:
+        lines.append("no prompts stop sharing a prefix and agree again later: nothing to fix here")
+        return "\n".join(lines)
+    lines.append(
+        f"hit rate with the variable part of {report.num_moved:,} prompts moved to their end: "
+        f"{report.hit_rate_moved:.1%}"
+    )
+    lines.append("where prompts stop sharing, then agree again (most recoverable first):")
+    for group in report.groups:
+        if not with_text:
+            group.variants = []
+        lines.append(f"- {group.sentence()}")
+    return "\n".join(lines)
