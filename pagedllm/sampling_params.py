@@ -88,6 +88,8 @@ class SamplingParams:
     prompt position must go through the model.
     `logit_bias` adds {token_id: bias} to the logits before sampling (OpenAI's field, -100..100).
     `structured_outputs` constrains every sampled token to a grammar (JSON schema, regex, ...).
+    `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: as many as max_model_len
+    allows), as vLLM's field does: for histories that outgrow the context.
     Sizes are bounded by pagedllm.limits; token ids are checked against the vocabulary by the engine.
     """
 
@@ -111,6 +113,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -189,6 +192,15 @@ class SamplingParams:
             f"must be an integer in [{low}, {high}] (seed + n - 1 too)",
         )
         self._validate_logit_bias()
+        need(
+            self.truncate_prompt_tokens is None
+            or (
+                isinstance(self.truncate_prompt_tokens, int)
+                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+            ),
+            "truncate_prompt_tokens",
+            "must be an integer >= 1, or -1 (max_model_len)",
+        )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

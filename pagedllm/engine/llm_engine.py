@@ -114,6 +114,7 @@ class LLMEngine:
                 "n: the engine takes one sequence per request; LLM.generate and the server fan out n"
             )
         prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_ids = self.truncated(prompt_ids, params)
         max_tokens = self.check_request(prompt_ids, params, cache_salt=cache_salt, user=user)
         prompt_ids = list(prompt_ids)  # the request's own copy
         req_id = request_id if request_id is not None else str(next(self._request_counter))
@@ -153,6 +154,7 @@ class LLMEngine:
         --max-logprobs, pagedllm.limits); returns its max_tokens. It reads only what is fixed at
         start-up, so the server calls it on its own thread before a request reaches the engine
         thread. Raises ValueError naming the field."""
+        prompt_ids = self.truncated(prompt_ids, params)
         self._check_token_ids("prompt_token_ids", prompt_ids)
         max_tokens = self._check_lengths(prompt_ids, params)
         for name in ("logprobs", "prompt_logprobs"):
@@ -166,6 +168,14 @@ class LLMEngine:
         limits.check_text("cache_salt", cache_salt, limits.MAX_CACHE_SALT_CHARS)
         limits.check_text("user", user, limits.MAX_USER_CHARS)
         return max_tokens
+
+    def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: max_model_len), or all of it."""
+        keep = params.truncate_prompt_tokens
+        if keep is None or not isinstance(prompt_ids, list):
+            return prompt_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """End requests now, wherever they are; their blocks go back to the pool at once."""

@@ -153,6 +153,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "personal data and /metrics is scraped from outside. (default: on)",
     )
     group.add_argument(
+        "--truncate-chat-history",
+        action="store_true",
+        help="A chat too long for max_model_len (after room for max_tokens) loses its oldest turns, "
+        "never its system messages or its last message, instead of getting a 400; usage says how "
+        "many messages and tokens went (dropped_messages, dropped_prompt_tokens). (default: off)",
+    )
+    group.add_argument(
         "--divergence-text",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -209,6 +216,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = "hermes",
     divergence_text: bool = True,
+    truncate_chat_history: bool = False,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -229,6 +237,7 @@ def build_app(
         tokenizer,
         trust_request_chat_template=trust_request_chat_template,
         tool_call_parser=tool_call_parser,
+        truncate_history=truncate_chat_history,
     )
     tokenization = ServingTokenization(models, tokenizer, chat, engine.engine.model_config.vocab_size)
 
@@ -407,6 +416,7 @@ def run_server(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         divergence_text=args.divergence_text,
+        truncate_chat_history=args.truncate_chat_history,
     )
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -113,6 +113,8 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     user: str | None = None
     cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
     priority: int = 0
     """Accepted for vLLM compatibility; the scheduler is first-come first-served."""
     stream: bool = False
@@ -228,6 +230,9 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    dropped_messages: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    """--truncate-chat-history: the oldest messages left out to fit max_model_len."""
+    dropped_prompt_tokens: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionLogprobs(BaseModel):

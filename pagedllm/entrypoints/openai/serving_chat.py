@@ -3,9 +3,11 @@ streamed; tools and tool calls as tools.py plans them."""
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -29,6 +31,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenLogprob,
     ToolCall,
     TopLogprob,
+    UsageInfo,
 )
 from pagedllm.entrypoints.openai.serving_common import (
     DeltaTracker,
@@ -55,6 +58,14 @@ from pagedllm.entrypoints.openai.tools import (
 from pagedllm.outputs import RequestOutput
 
 
+@dataclass(frozen=True)
+class HistoryCut:
+    """What --truncate-chat-history dropped from a conversation: reported in its usage."""
+
+    messages: int
+    tokens: int
+
+
 class ServingChat:
     def __init__(
         self,
@@ -64,13 +75,17 @@ class ServingChat:
         *,
         trust_request_chat_template: bool = False,
         tool_call_parser: str | None = "hermes",
+        truncate_history: bool = False,
     ) -> None:
-        """tool_call_parser: reads tool calls out of free text (tool_choice auto); None refuses auto."""
+        """tool_call_parser: reads tool calls out of free text (tool_choice auto); None refuses auto.
+        truncate_history: a conversation too long for max_model_len loses its oldest turns
+        (never its system messages or its last message) instead of getting a 400."""
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser
+        self.truncate_history = truncate_history
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
@@ -89,13 +104,17 @@ class ServingChat:
             logprobs=num_top,
             structured_outputs=plan.grammar if plan is not None else None,
         )
-        prompt = await self.prompt(
-            request.messages,
-            request.add_generation_prompt,
-            request.chat_template,
-            request.chat_template_kwargs,
+        render = functools.partial(
+            self.prompt,
+            add_generation_prompt=request.add_generation_prompt,
+            template=request.chat_template,
+            template_kwargs=request.chat_template_kwargs,
             tools=plan.tools if plan is not None else None,
         )
+        prompt = await render(request.messages)
+        cut = None
+        if self.truncate_history and params.truncate_prompt_tokens is None:
+            prompt, cut = await self._fit_history(request.messages, prompt, max_tokens, render)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.engine.generate(
             [prompt],
@@ -107,7 +126,7 @@ class ServingChat:
         )
         if request.stream:
             return StreamingResponse(
-                self._stream(request, stream, response_id, model, params.n, num_top, plan),
+                self._stream(request, stream, response_id, model, params.n, num_top, plan, cut),
                 media_type="text/event-stream",
             )
         outputs = await collect_until_disconnected(raw_request, stream)
@@ -131,7 +150,7 @@ class ServingChat:
                 id=response_id,
                 model=model,
                 choices=choices,
-                usage=usage(dict(enumerate(outputs)), params.n),
+                usage=_with_cut(usage(dict(enumerate(outputs)), params.n), cut),
                 timings=timings(outputs[0]),
             ).model_dump_json(),
             media_type="application/json",
@@ -146,6 +165,7 @@ class ServingChat:
         n: int,
         num_top: int | None,
         plan: ToolPlan | None,
+        cut: HistoryCut | None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
@@ -197,11 +217,42 @@ class ServingChat:
                         created=created,
                         model=model,
                         choices=[],
-                        usage=usage(latest, n),
+                        usage=_with_cut(usage(latest, n), cut),
                     )
                 )
 
         return event_stream(stream, first, chunks, last)
+
+    async def _fit_history(
+        self,
+        messages: list[ChatMessage],
+        prompt: dict[str, Any],
+        max_tokens: int | None,
+        render: Callable[[list[ChatMessage]], Awaitable[dict[str, Any]]],
+    ) -> tuple[dict[str, Any], HistoryCut | None]:
+        """The prompt with the fewest oldest turns dropped that leaves room for max_tokens (one
+        token if unset); system messages and the last message stay. Binary search: a few renders."""
+        room = self.models.max_model_len - (max_tokens or 1)
+        full = len(prompt["prompt_token_ids"])
+        if full <= room:
+            return prompt, None
+        first = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+        droppable = len(messages) - 1 - first  # never the last message
+        fitting: tuple[int, dict[str, Any]] | None = None
+        low, high = 1, droppable
+        while low <= high:
+            drop = (low + high) // 2
+            kept = messages[:first] + _from_a_user_turn(messages[first + drop :])
+            candidate = await render(kept)
+            if len(candidate["prompt_token_ids"]) <= room:
+                fitting, high = (drop, candidate), drop - 1
+            else:
+                low = drop + 1
+        if fitting is None:
+            return prompt, None  # even the last message alone is too long: the 400 says so
+        drop, candidate = fitting
+        kept_count = len(messages[:first] + _from_a_user_turn(messages[first + drop :]))
+        return candidate, HistoryCut(len(messages) - kept_count, full - len(candidate["prompt_token_ids"]))
 
     async def prompt(
         self,
@@ -257,6 +308,20 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry["content"] = content or ""
         conversation.append(entry)
     return conversation
+
+
+def _from_a_user_turn(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """Drop leading replies and tool results whose question was dropped (the last one stays)."""
+    start = 0
+    while start < len(messages) - 1 and messages[start].role != "user":
+        start += 1
+    return messages[start:]
+
+
+def _with_cut(usage_info: UsageInfo, cut: HistoryCut | None) -> UsageInfo:
+    if cut is not None:
+        usage_info.dropped_messages, usage_info.dropped_prompt_tokens = cut.messages, cut.tokens
+    return usage_info
 
 
 def _message(text: str, plan: ToolPlan | None) -> ChatMessageOut:

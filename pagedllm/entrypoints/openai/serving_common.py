@@ -35,6 +35,7 @@ _SAMPLING_FIELDS = (
     "min_tokens",
     "ignore_eos",
     "skip_special_tokens",
+    "truncate_prompt_tokens",
 )
 SSE_DONE = "data: [DONE]\n\n"
 
