@@ -38,16 +38,14 @@ _SIZE_UNITS = {
 }
 
 
-def parse_memory_size(value: int | str) -> int:
+def parse_memory_size(value: int | str, name: str = "kv_cache_memory_bytes") -> int:
     """`4GiB`, `512MiB`, `1.5GB`, `1000000` -> bytes. Raises ValueError naming the bad text."""
     if isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"kv_cache_memory_bytes: cannot read {value!r}; use bytes or a size like 4GiB, 512MiB, 2GB"
-        )
+        raise ValueError(f"{name}: cannot read {value!r}; use bytes or a size like 4GiB, 512MiB, 2GB")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -133,6 +131,23 @@ class EngineConfig:
     prefix_caching_hash_algo: HashAlgo = field(
         default="sha256", metadata=_flag("Hash for prefix-cache block keys.")
     )
+    kv_offload_dir: str | None = field(
+        default=None,
+        metadata=_flag(
+            "Disk tier of the prefix cache: evicted cached blocks go to files here and come back on a "
+            "later hit; at shutdown every cached block is written, so a restart starts warm."
+        ),
+    )
+    kv_offload_max_bytes: int | str = field(
+        default="8GiB", metadata=_flag("Most bytes --kv-offload-dir may hold; least recently used go first.")
+    )
+    prefix_cache_warmup: str | None = field(
+        default=None,
+        metadata=_flag(
+            "JSONL of prompts or conversations (as `bench` reads) computed at start-up, before the "
+            "server says ready, so the first users hit the prefix cache."
+        ),
+    )
     divergence_finder_tokens: int = field(
         default=1_000_000,
         metadata=_flag(
@@ -204,6 +219,15 @@ class EngineConfig:
         )
         need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
         need(self.divergence_finder_tokens >= 0, "divergence_finder_tokens", "must be >= 0")
+        object.__setattr__(
+            self, "kv_offload_max_bytes", parse_memory_size(self.kv_offload_max_bytes, "kv_offload_max_bytes")
+        )
+        need(self.kv_offload_max_bytes > 0, "kv_offload_max_bytes", "must be positive")
+        need(
+            self.kv_offload_dir is None or self.enable_prefix_caching,
+            "kv_offload_dir",
+            "needs prefix caching (the disk tier keeps cached blocks)",
+        )
         need(self.log_stats_interval > 0, "log_stats_interval", "must be > 0")
 
     @property
@@ -231,6 +255,7 @@ _INT_FIELDS = {
     "num_gpu_blocks_override",
     "seed",
     "max_logprobs",
+    "divergence_finder_tokens",
 }
 _FLOAT_FIELDS = {"gpu_memory_utilization", "log_stats_interval"}
 

@@ -61,3 +61,18 @@ def chat_prompt(
     if not text:
         raise ValueError("messages: the chat template rendered an empty prompt")
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def workload_prompts(tokenizer: PreTrainedTokenizerBase, workload: list[Any]) -> list[list[int]]:
+    """Token ids of a request set's prompts (pagedllm.bench.workload): a single-turn request's
+    text as the engine tokenizes it; a conversation's first turn through the chat template (later
+    turns hold the model's answers, which a file does not have)."""
+    prompts = []
+    for item in workload:
+        if hasattr(item, "turns"):
+            messages = [{"role": "system", "content": item.system}] if item.system else []
+            messages.append({"role": "user", "content": item.turns[0]})
+            prompts.append(chat_prompt(tokenizer, messages)["prompt_token_ids"])
+        else:
+            prompts.append(tokenizer(item.prompt).input_ids)
+    return prompts

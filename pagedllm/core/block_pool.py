@@ -14,7 +14,7 @@ least recently freed cached block is evicted first (LRU).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedllm.core.block_hash import BlockHash
 
@@ -96,6 +96,9 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        """Told (block id, hash) before a cached block is taken for new use: its K/V is still
+        there (the disk tier copies it out). Not told of reset_prefix_cache's drops."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,6 +117,8 @@ class BlockPool:
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)

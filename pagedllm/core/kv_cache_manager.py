@@ -9,9 +9,20 @@ preempted is the scheduler's business; which physical block is which is the pool
 
 from __future__ import annotations
 
+from itertools import takewhile
+from typing import Protocol
+
 from pagedllm.core.block_hash import BlockHash, extend_block_hashes, get_hash_function
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.request import Request
+
+
+class DiskTier(Protocol):
+    """Where cached blocks go when evicted (worker/kv_offload.py): hashes in, K/V bytes moved."""
+
+    def __contains__(self, block_hash: BlockHash) -> bool: ...
+    def save(self, block_id: int, block_hash: BlockHash) -> None: ...
+    def load(self, block_id: int, block_hash: BlockHash) -> bool: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,11 +31,21 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str = "sha256"
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        hash_algo: str = "sha256",
+        disk: DiskTier | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.disk = disk if enable_caching else None
+        if self.disk is not None:
+            self.block_pool.on_evict = self.disk.save
+        self.num_disk_hit_blocks = 0
+        """Blocks a lookup brought back from the disk tier."""
         self._hash_fn = get_hash_function(hash_algo)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the hash map.
@@ -53,7 +74,35 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.disk is not None and len(blocks) < max_hit_blocks:
+            blocks += self._bring_back(request.block_hashes[len(blocks) : max_hit_blocks], blocks)
         return blocks, len(blocks) * self.block_size
+
+    def _bring_back(self, hashes: list[BlockHash], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """The leading `hashes` the disk tier holds, each loaded into a fresh block that becomes an
+        ordinary cached block (free, findable by its hash). The memory `hits` before them are held
+        meanwhile, so taking fresh blocks cannot evict them."""
+        assert self.disk is not None
+        on_disk = list(takewhile(self.disk.__contains__, hashes))
+        if not on_disk:
+            return []
+        self.block_pool.touch(hits)
+        loaded: list[KVCacheBlock] = []
+        try:
+            for block_hash in on_disk:
+                if self.block_pool.num_free_blocks == 0:
+                    break
+                [block] = self.block_pool.get_new_blocks(1)
+                if not self.disk.load(block.block_id, block_hash):
+                    self.block_pool.free_blocks([block])
+                    break
+                self.block_pool.cache_full_block(block, block_hash)
+                loaded.append(block)
+        finally:
+            self.block_pool.free_blocks(reversed(loaded))  # the chain's tail is evicted first
+            self.block_pool.free_blocks(reversed(hits))
+        self.num_disk_hit_blocks += len(loaded)
+        return loaded
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

@@ -174,7 +174,9 @@ class Scheduler:
                 best = (request, blocks, num_hit)
         assert best is not None
         self._head_skips = 0 if best[0] is head else self._head_skips + 1
-        return best
+        # looked up again: a later candidate's lookup may have taken blocks from the disk tier,
+        # evicting free cached blocks this one had found
+        return (best[0], *self._cached_prefix(best[0]))
 
     def _cached_prefix(self, request: Request):
         if request.sampling_params.prompt_logprobs is not None:

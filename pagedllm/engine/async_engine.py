@@ -345,6 +345,7 @@ class AsyncLLM:
                 if outputs and self._loop is not None:  # outputs need requests, which need the loop
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 self._report(outputs)
+            self._close_engine()
         except BaseException as error:
             logger.exception("The engine loop failed; the server can no longer generate")
             self.error = error
@@ -360,6 +361,13 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                     if command is not None and command.future is not None:
                         command.future.set_exception(EngineUnavailableError("the engine has stopped"))
+
+    def _close_engine(self) -> None:
+        """A graceful stop: the engine writes what it keeps across restarts (the disk tier)."""
+        try:
+            self.engine.close()
+        except Exception:
+            logger.exception("Closing the engine failed; what it keeps across restarts may be incomplete")
 
     def _report(self, outputs: list[RequestOutput]) -> None:
         if self._on_step is None:

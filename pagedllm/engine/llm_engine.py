@@ -13,8 +13,10 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from pagedllm import limits
+from pagedllm.bench.workload import load_workload
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
@@ -28,8 +30,9 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import StructuredOutputBackend
-from pagedllm.tokenizer import load_tokenizer
+from pagedllm.tokenizer import load_tokenizer, workload_prompts
 from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
+from pagedllm.worker.kv_offload import DiskKVStore, fingerprint
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -58,11 +61,13 @@ class LLMEngine:
         self.worker.initialize_cache(self.kv_cache_plan)
         self._log_startup_report(time.monotonic() - start)
 
+        self.kv_offload = self._open_kv_offload(folder) if self.config.kv_offload_dir else None
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_plan.num_blocks,
             self.config.block_size,
             self.config.enable_prefix_caching,
             self.config.prefix_caching_hash_algo,
+            disk=self.kv_offload,
         )
         self.divergence = (
             DivergenceFinder(
@@ -88,6 +93,8 @@ class LLMEngine:
         self.structured_output = StructuredOutputBackend(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_ids
         )
+        if self.config.prefix_cache_warmup:
+            self.warm_up(self.config.prefix_cache_warmup)
 
     @property
     def max_model_len(self) -> int:
@@ -207,6 +214,39 @@ class LLMEngine:
             self.stats_logger.log(self.scheduler.make_stats())
         return processed.outputs
 
+    def warm_up(self, path: str) -> None:
+        """Compute the prompts of a workload file (its conversations' first turns) into the prefix
+        cache, one token each: the first real requests that share them hit."""
+        start = time.monotonic()
+        prompts = workload_prompts(self.tokenizer, load_workload(path))
+        for prompt_ids in prompts:
+            self.add_request(None, {"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=1))
+        while self.has_unfinished_requests():
+            self.step()
+        logger.info(
+            "Prefix cache warm-up: %d prompts from %s (%s tokens) in %.1f s",
+            len(prompts),
+            path,
+            f"{sum(map(len, prompts)):,}",
+            time.monotonic() - start,
+        )
+
+    def close(self) -> None:
+        """At a graceful shutdown: every cached block to the disk tier, so a restart starts warm."""
+        if self.kv_offload is None:
+            return
+        cached = self.kv_cache_manager.block_pool.cached_block_hash_to_block
+        for block_hash, block in cached.items():
+            self.kv_offload.save(block.block_id, block_hash)
+        self.kv_offload.close()
+        logger.info(
+            "KV offload: %d cached blocks written; %d blocks (%.2f GiB) in %s",
+            len(cached),
+            self.kv_offload.num_blocks,
+            self.kv_offload.num_bytes / 2**30,
+            self.kv_offload.directory,
+        )
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
@@ -268,6 +308,28 @@ class LLMEngine:
                 model_config.sliding_window,
             )
         return max_model_len
+
+    def _open_kv_offload(self, folder: Path) -> DiskKVStore:
+        spec = self.kv_cache_plan.spec
+        key = fingerprint(
+            folder,
+            (
+                self.worker.dtype,
+                spec.cache_dtype,
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.block_size,
+                self.config.prefix_caching_hash_algo,
+            ),
+        )
+        assert self.config.kv_offload_dir is not None
+        return DiskKVStore(
+            self.config.kv_offload_dir,
+            int(self.config.kv_offload_max_bytes),
+            key,
+            self.worker.runner.kv_caches,
+        )
 
     def _log_startup_report(self, load_seconds: float) -> None:
         plan: KVCachePlan = self.kv_cache_plan

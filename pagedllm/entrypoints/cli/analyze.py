@@ -6,10 +6,10 @@ import argparse
 import json
 from dataclasses import asdict
 
-from pagedllm.bench.workload import Conversation, load_workload
+from pagedllm.bench.workload import load_workload
 from pagedllm.metrics.prefix_report import analyze_prompts, format_report
 from pagedllm.model.loader import resolve_model_folder
-from pagedllm.tokenizer import chat_prompt, load_tokenizer
+from pagedllm.tokenizer import load_tokenizer, workload_prompts
 
 
 def register(subparsers) -> None:
@@ -35,15 +35,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(resolve_model_folder(args.model))
-    workload = load_workload(args.workload)
-    prompts = []
-    for item in workload:
-        if isinstance(item, Conversation):  # its first turn: later ones need the model's answers
-            messages = [{"role": "system", "content": item.system}] if item.system else []
-            messages.append({"role": "user", "content": item.turns[0]})
-            prompts.append(chat_prompt(tokenizer, messages)["prompt_token_ids"])
-        else:
-            prompts.append(tokenizer(item.prompt).input_ids)
+    prompts = workload_prompts(tokenizer, load_workload(args.workload))
     report = analyze_prompts(prompts, args.block_size, tokenizer.decode, top=args.top)
     print(f"{args.workload}:")
     print(format_report(report, with_text=args.divergence_text))
