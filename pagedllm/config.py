@@ -74,11 +74,25 @@ class EngineConfig:
     model: str | None = field(
         default=None,
         metadata=_flag(
-            "Hugging Face model folder or GGUF file. Default: the embedded SmolLM2-135M-Instruct."
+            "Hugging Face model folder, GGUF file or hub name (ORG/NAME; ORG/NAME:QUANT picks one GGUF "
+            "of several). A hub name is read from the HF cache, downloaded only when not cached and "
+            "HF_HUB_OFFLINE is unset. Default: the embedded SmolLM2-135M-Instruct."
         ),
     )
     tokenizer: str | None = field(
-        default=None, metadata=_flag("Tokenizer folder, when it is not the model's own.")
+        default=None, metadata=_flag("Tokenizer folder or hub name, when it is not the model's own.")
+    )
+    revision: str | None = field(
+        default=None, metadata=_flag("Hub model: branch, tag or commit. Default: main.")
+    )
+    tokenizer_revision: str | None = field(
+        default=None, metadata=_flag("Hub tokenizer (--tokenizer): branch, tag or commit. Default: main.")
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata=_flag(
+            "Cache folder for hub models. Default: huggingface_hub's (HF_HUB_CACHE, HF_HOME/hub)."
+        ),
     )
     dtype: DType = field(
         default="auto",

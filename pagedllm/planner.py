@@ -7,7 +7,7 @@
 
 The arithmetic is the engine's own (KVCacheSpec, plan_kv_cache), so for the same model and
 budget the planner's blocks are the blocks the engine allocates. No weight is loaded: an HF
-folder gives its config.json, a GGUF its metadata, or the shape is given by numbers.
+folder (or hub name) gives its config.json, a GGUF its metadata, or the shape is given by numbers.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ WHAT_IF_KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # fp8_e5m2 has fp8_e4m3's siz
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def read_model_config(model: str | None) -> ModelConfig:
-    """The config of an HF folder or a GGUF file (None: the default model), reading no weights."""
+def read_model_config(
+    model: str | None, *, revision: str | None = None, download_dir: str | None = None
+) -> ModelConfig:
+    """The config of an HF folder, a GGUF file or a hub name (None: the default model), reading no
+    weights; a hub name downloads only its config unless the repo is GGUF only."""
     try:
-        path = locate_model(model)
+        path = locate_model(model, revision=revision, download_dir=download_dir, weights=False)
     except FileNotFoundError as error:
         hint = "or describe the model by numbers (--layers, --hidden-size, ...)"
         raise FileNotFoundError(f"{error}; {hint}") from None

@@ -25,7 +25,7 @@ from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.loader import model_display_name, resolve_model_folder
+from pagedllm.model.loader import model_display_name, resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -44,9 +44,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
         self.model_name = model_display_name(config.model)
-        folder = resolve_model_folder(config.model)
+        folder = resolve_model_folder(
+            config.model, revision=config.revision, download_dir=config.download_dir
+        )
         self.model_config = ModelConfig.from_folder(folder)
-        self.tokenizer_folder = config.tokenizer or folder
+        self.tokenizer_folder = (
+            resolve_tokenizer_folder(
+                config.tokenizer, revision=config.tokenizer_revision, download_dir=config.download_dir
+            )
+            if config.tokenizer
+            else folder
+        )
         self.tokenizer = load_tokenizer(self.tokenizer_folder, config.chat_template)
         max_model_len = self._resolve_max_model_len(config, self.model_config)
         self.config = config.replace(max_model_len=max_model_len)

