@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.bench import kv_quant, prefix, serve, soak, throughput
+from pagedllm.bench import kv_quant, prefix, serve, soak, sweep, throughput
 
 
 def register(subparsers) -> None:
@@ -25,3 +25,8 @@ def register(subparsers) -> None:
     )
     soak.add_arguments(parser)
     parser.set_defaults(handler=soak.main)
+    parser = kinds.add_parser(
+        "sweep", help="a grid of engine settings on one workload: the best within an SLO, as a serve command"
+    )
+    sweep.add_arguments(parser)
+    parser.set_defaults(handler=sweep.main)

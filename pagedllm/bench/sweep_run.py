@@ -1,0 +1,80 @@
+"""One setting of `pagedllm bench sweep`, in its own process: prints one JSON line of results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from pagedllm.bench.workload import load_requests
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--setting", required=True, help="engine flags as JSON")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    args = parser.parse_args()
+    requests = load_requests(args.workload, args.num_requests)
+    engine = LLMEngine(EngineConfig(**{"disable_log_stats": True, **json.loads(args.setting)}))
+    engine.add_request("warm-up", "Hello", SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_prefix_cache()
+
+    rng = random.Random(0)
+    arrivals, clock = [], 0.0
+    for _ in requests:  # Poisson: exponential gaps; inf: everything at t=0
+        arrivals.append(clock)
+        clock += 0.0 if args.request_rate == float("inf") else rng.expovariate(args.request_rate)
+    start = time.monotonic()
+    outputs, peak_usage, next_request = {}, 0.0, 0
+    while next_request < len(requests) or engine.has_unfinished_requests():
+        now = time.monotonic() - start
+        while next_request < len(requests) and arrivals[next_request] <= now:
+            r = requests[next_request]
+            params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+            engine.add_request(
+                str(next_request), r.prompt, params, arrival_time=start + arrivals[next_request]
+            )
+            next_request += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[next_request] - now))
+            continue
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+        peak_usage = max(peak_usage, engine.get_stats().kv_cache_usage)
+    elapsed = time.monotonic() - start
+    stats = engine.get_stats()
+    ttfts = [o.metrics.time_to_first_token for o in outputs.values()]
+    tpots = [
+        o.metrics.decode_time / (len(o.outputs[0].token_ids) - 1)
+        for o in outputs.values()
+        if len(o.outputs[0].token_ids) > 1
+    ]
+    result = {
+        "output_throughput": sum(len(o.outputs[0].token_ids) for o in outputs.values()) / elapsed,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p95_s": _p95(ttfts),
+        "tpot_p50_s": statistics.median(tpots) if tpots else 0.0,
+        "hit_rate": stats.prefix_cache.hit_rate,
+        "preemptions": stats.num_preemptions,
+        "peak_kv_usage": peak_usage,
+        "elapsed_s": elapsed,
+    }
+    print(json.dumps(result))
+
+
+def _p95(values: list[float]) -> float:
+    return values[0] if len(values) == 1 else statistics.quantiles(values, n=100, method="inclusive")[94]
+
+
+if __name__ == "__main__":
+    main()
