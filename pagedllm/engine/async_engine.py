@@ -342,9 +342,9 @@ class AsyncLLM:
                 outputs, self._pending_outputs = self._pending_outputs, []
                 if self.engine.has_unfinished_requests():
                     outputs += self.engine.step()
+                self._report(outputs)  # first: a client that has its answer finds it counted
                 if outputs and self._loop is not None:  # outputs need requests, which need the loop
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
-                self._report(outputs)
             self._close_engine()
         except BaseException as error:
             logger.exception("The engine loop failed; the server can no longer generate")
