@@ -1,14 +1,18 @@
-"""`pagedllm bench serve`: drive any OpenAI-compatible server with streaming requests.
+"""`pagedllm bench serve`: load any OpenAI-compatible server, ours or vLLM's, with streamed requests.
 
-Single-turn workloads go to /v1/completions, one request per line; conversation workloads go
-to /v1/chat/completions turn by turn, each answer in the next turn's history. Requests are greedy
-with the workload's max_tokens (and ignore_eos), as the offline benchmarks send them. Traffic is
-a closed loop of --concurrency clients, or Poisson arrivals at --request-rate (optionally capped
-by --concurrency). With --offline the same workload then runs through the offline engine in
-this process, as the same closed loop, for a server/offline throughput ratio.
+Requests come from a dataset (datasets.py: `random`, ShareGPT JSON, or our JSONL workloads), with
+`vllm bench serve`'s flags. Single-turn requests go to /v1/completions; conversations go to
+/v1/chat/completions turn by turn, each answer in the next turn's history. Requests are greedy.
+They are sent all at once (--request-rate inf) or as Poisson / gamma arrivals (arrivals.py), and
+--max-concurrency caps how many are in flight either way. Only the OpenAI API is used (streaming,
+usage in the last chunk via stream_options.include_usage), so vLLM's server needs no change.
 
-    TTFT = first text chunk - send;  TPOT = (E2E - TTFT) / (output tokens - 1)
-    prefix hit rate = sum(usage.prompt_tokens_details.cached_tokens) / sum(usage.prompt_tokens)
+A progress bar runs meanwhile; then a table of throughput, goodput and latencies (serve_metrics.py)
+is printed, and --output-json / --save-result write it with vLLM's JSON keys beside ours
+(serve_report.py). --seed
+(an engine flag, default 0) also seeds the dataset and the arrivals. With --offline the same
+requests then run through the offline engine in this process, as a closed loop at the same
+concurrency, for a server/offline throughput ratio.
 """
 
 from __future__ import annotations
@@ -16,112 +20,131 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
+from tqdm import tqdm
 
-from pagedllm.bench.prefix import make_clients, run_closed_loop
+from pagedllm.bench.arrivals import arrival_times
+from pagedllm.bench.datasets import add_dataset_arguments, dataset_name, load_dataset
+from pagedllm.bench.prefix import Client, make_clients, run_closed_loop
+from pagedllm.bench.serve_metrics import METRICS, SLO_METRICS, RequestRecord, ServeResult
+from pagedllm.bench.serve_report import build_report, result_path, save_plot
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import Conversation, load_workload
-from pagedllm.config import add_engine_args, engine_config_from_args
+from pagedllm.bench.workload import BenchRequest, Conversation
+from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
+from pagedllm.model.loader import resolve_model_folder, resolve_tokenizer_folder
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import load_tokenizer
 
-QUANTILES = (50, 95, 99)
-HTTPClient = Callable[[httpx.AsyncClient], Awaitable[list["RequestRecord"]]]
-"""Sends one workload line's requests (a conversation's turns in order); returns their records."""
-
-
-@dataclass
-class RequestRecord:
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    e2e_s: float = 0.0
-    error: str | None = None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-@dataclass
-class ServeResult:
-    records: list[RequestRecord] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    @property
-    def ok(self) -> list[RequestRecord]:
-        return [r for r in self.records if r.error is None]
-
-    @property
-    def output_throughput(self) -> float:
-        return sum(r.output_tokens for r in self.ok) / self.elapsed_s if self.elapsed_s else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float | None:
-        reported = [r for r in self.ok if r.cached_tokens is not None]
-        prompt = sum(r.prompt_tokens for r in reported)
-        return sum(r.cached_tokens or 0 for r in reported) / prompt if reported and prompt else None
-
-    def quantiles(self, name: str) -> dict[str, float] | None:
-        values = [v for r in self.ok if (v := getattr(r, name)) is not None]
-        if not values:
-            return None
-        return {f"p{q}": float(np.percentile(values, q)) for q in QUANTILES} | {
-            "mean": float(np.mean(values))
-        }
+Items = list[BenchRequest] | list[Conversation]
+Done = Callable[[RequestRecord], None]
+Send = Callable[[httpx.AsyncClient, float, Done], Awaitable[None]]
+"""Sends one dataset item's requests (a conversation's turns in order) on a client, given the run's
+start (perf_counter), and hands each record to `Done` as its request ends."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    parser.add_argument("--base-url", default=None, help="server root, without /v1 (default: --host, --port)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    add_dataset_arguments(parser)
     parser.add_argument(
-        "--workload", required=True, help="JSONL: single-turn (prompt, max_tokens) or conversations"
-    )
-    parser.add_argument("--num-requests", type=int, default=None, help="first N lines only")
-    parser.add_argument(
-        "--concurrency", type=int, default=None, help="clients in flight at once (default: all at once)"
+        "--max-concurrency", "--concurrency", type=int, default=None, help="most requests in flight at once"
     )
     parser.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
-        help="Poisson arrivals per second (default: inf, i.e. a closed loop at --concurrency)",
+        help="arrivals per second (default: inf, every request at once)",
     )
-    parser.add_argument("--arrival-seed", type=int, default=0, help="seed of the Poisson arrival times")
     parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the `model` field to send (default: the server's first model)",
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="shape of the gamma-distributed gaps: 1 is Poisson, <1 burstier, >1 more even",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the `model` field to send (default: the server's first)"
     )
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
-    parser.add_argument("--output-json", default=None, help="write the summary and every request here")
     parser.add_argument(
-        "--plot", default=None, help="write a PNG of the TTFT, TPOT and E2E distributions here"
+        "--goodput",
+        nargs="+",
+        type=_slo,
+        default=None,
+        metavar="METRIC:MS",
+        help="service level objectives (ttft, tpot, e2el in ms): goodput counts the requests meeting all",
     )
+    parser.add_argument(
+        "--percentile-metrics",
+        type=_metric_list,
+        default=list(METRICS),
+        help=f"comma-separated, of {','.join(METRICS)} (default: all)",
+    )
+    parser.add_argument(
+        "--metric-percentiles", type=_percentile_list, default=[99.0], help="comma-separated (default: 99)"
+    )
+    parser.add_argument("--output-json", default=None, help="write the summary and every request here")
+    parser.add_argument("--save-result", action="store_true", help="also write it to a file named as vLLM's")
+    parser.add_argument("--result-dir", default=None, help="folder of --save-result's file")
+    parser.add_argument("--result-filename", default=None, help="name of --save-result's file")
+    parser.add_argument(
+        "--save-detailed", action="store_true", help="add vLLM's per-request lists (ttfts, itls, ...)"
+    )
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--plot", default=None, help="write a PNG of the TTFT, TPOT and E2E distributions")
     parser.add_argument(
         "--offline",
         action="store_true",
-        help="then run the offline engine (engine flags below: pass the server's) on the same workload "
+        help="then run the offline engine (engine flags below: pass the server's) on the same requests "
         "at the same concurrency, and print server/offline throughput",
     )
     add_engine_args(parser)
 
 
+def _slo(text: str) -> tuple[str, float]:
+    name, _, value = text.partition(":")
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = math.nan
+    if name not in SLO_METRICS or not limit >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give METRIC:MS, METRIC one of {', '.join(SLO_METRICS)}")
+    return name, limit
+
+
+def _metric_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(name not in METRICS for name in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated names of {', '.join(METRICS)}")
+    return names
+
+
+def _percentile_list(text: str) -> list[float]:
+    try:
+        values = [float(q) for q in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < q <= 100 for q in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated percentiles in (0, 100]")
+    return values
+
+
 # ---- the HTTP side ---------------------------------------------------------------------------
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[RequestRecord, str]:
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict, origin: float, prompt_len: int | None = None
+) -> tuple[RequestRecord, str]:
     """One streamed request; returns its record and the generated text."""
-    record, text, start = RequestRecord(), "", time.perf_counter()
+    start = time.perf_counter()
+    record, text, last_chunk = RequestRecord(prompt_tokens=prompt_len or 0, start_s=start - origin), "", None
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
     try:
         async with client.stream("POST", path, json=body) as response:
@@ -136,38 +159,46 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[Req
                     raise RuntimeError(chunk["error"].get("message", "error event"))
                 for choice in chunk.get("choices") or []:
                     piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    if piece and record.ttft_s is None:
-                        record.ttft_s = time.perf_counter() - start
+                    # a completion chunk is a token even with empty text (part of a character), as
+                    # vLLM counts it; a chat chunk only with content (the first may carry just the role)
+                    if "text" in choice or piece or choice.get("finish_reason"):
+                        now = time.perf_counter()
+                        if last_chunk is None:
+                            record.ttft_s = now - start
+                        else:
+                            record.itl_s.append(now - last_chunk)
+                        last_chunk = now
                     text += piece
                     record.output_tokens += bool(piece)  # replaced by usage when the server sends it
                 if usage := chunk.get("usage"):
-                    record.prompt_tokens = usage.get("prompt_tokens", 0)
+                    record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                     record.output_tokens = usage.get("completion_tokens", record.output_tokens)
                     details = usage.get("prompt_tokens_details") or {}
                     record.cached_tokens = details.get("cached_tokens")
+        if record.ttft_s is None:
+            raise RuntimeError("the stream ended before any token")
     except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as error:
         record.error = str(error) or type(error).__name__
     record.e2e_s = time.perf_counter() - start
     return record, text
 
 
-def _clients(path: str, limit: int | None, model: str) -> Iterator[HTTPClient]:
-    """One client per workload line: a conversation's turns run one after the other."""
-    for item in load_workload(path, limit):
+def _senders(items: Items, model: str) -> Iterator[Send]:
+    for item in items:
         if isinstance(item, Conversation):
 
-            async def run(client: httpx.AsyncClient, c: Conversation = item) -> list[RequestRecord]:
+            async def send(
+                client: httpx.AsyncClient, origin: float, done: Done, c: Conversation = item
+            ) -> None:
                 messages = [{"role": "system", "content": c.system}] if c.system else []
-                records = []
                 for turn in c.turns:
                     messages.append({"role": "user", "content": turn})
                     body = {"model": model, "messages": messages, "max_tokens": c.max_tokens}
-                    record, answer = await _stream(client, "/v1/chat/completions", body)
-                    records.append(record)
+                    record, answer = await _stream(client, "/v1/chat/completions", body, origin)
+                    done(record)
                     if record.error:
                         break
                     messages.append({"role": "assistant", "content": answer})
-                return records
 
         else:
             body = {
@@ -177,137 +208,117 @@ def _clients(path: str, limit: int | None, model: str) -> Iterator[HTTPClient]:
                 "ignore_eos": item.ignore_eos,
             }
 
-            async def run(client: httpx.AsyncClient, b: dict = body) -> list[RequestRecord]:
-                return [(await _stream(client, "/v1/completions", b))[0]]
+            async def send(
+                client: httpx.AsyncClient, origin: float, done: Done, b: dict = body, r: BenchRequest = item
+            ) -> None:
+                done((await _stream(client, "/v1/completions", b, origin, r.prompt_len))[0])
 
-        yield run
+        yield send
 
 
-async def run_server_benchmark(args: argparse.Namespace) -> tuple[ServeResult, str]:
+async def run_server_benchmark(
+    args: argparse.Namespace, items: Items, send_times: list[float]
+) -> tuple[ServeResult, str]:
+    """Sends every item at its time (seconds after the start), at most --max-concurrency at once."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(
-        max_connections=args.concurrency or 1000, max_keepalive_connections=args.concurrency
-    )
+    in_flight = args.max_concurrency or max(len(items), 1)
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=None, limits=limits
+        base_url=base_url(args), headers=headers, timeout=None, limits=limits
     ) as client:
         model = args.served_model_name
         if model is None:
             response = await client.get("/v1/models")
             response.raise_for_status()
             model = response.json()["data"][0]["id"]
-        clients = list(_clients(args.workload, args.num_requests, model))
-        seats = asyncio.Semaphore(args.concurrency or len(clients))
-        arrivals = random.Random(args.arrival_seed)
+        num_requests = sum(len(i.turns) if isinstance(i, Conversation) else 1 for i in items)
+        print(_header(args, model, num_requests), flush=True)
+        seats = asyncio.Semaphore(in_flight)
         result = ServeResult()
+        bar = tqdm(total=num_requests, unit="req", disable=args.disable_tqdm)
 
-        async def one(run: HTTPClient) -> None:
+        def done(record: RequestRecord) -> None:
+            result.records.append(record)
+            bar.update()
+
+        async def one(send: Send, at: float) -> None:
+            await asyncio.sleep(max(0.0, origin + at - time.perf_counter()))
             async with seats:
-                result.records.extend(await run(client))
+                await send(client, origin, done)
 
-        start = time.perf_counter()
-        tasks = []
-        for run in clients:
-            tasks.append(asyncio.create_task(one(run)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(arrivals.expovariate(args.request_rate))
-        await asyncio.gather(*tasks)
-        result.elapsed_s = time.perf_counter() - start
+        origin = time.perf_counter()
+        await asyncio.gather(
+            *(one(send, at) for send, at in zip(_senders(items, model), send_times, strict=True))
+        )
+        result.elapsed_s = time.perf_counter() - origin
+        bar.close()
     return result, model
 
 
-# ---- report ----------------------------------------------------------------------------------
+def base_url(args: argparse.Namespace) -> str:
+    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
 
 
-def _report(args: argparse.Namespace, model: str, result: ServeResult, offline: float | None) -> dict:
-    failed = len(result.records) - len(result.ok)
-    traffic = f"concurrency {args.concurrency or 'unbounded'}" + (
-        f", {args.request_rate:g} req/s" if args.request_rate != float("inf") else ""
+def _header(args: argparse.Namespace, model: str, num_requests: int) -> str:
+    rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
+    if not math.isinf(args.request_rate) and args.burstiness != 1.0:
+        rate += f" (burstiness {args.burstiness:g})"
+    source = dataset_name(args) + (f" {args.dataset_path}" if args.dataset_path else "")
+    return (
+        f"{num_requests} requests from {source} to {base_url(args)} ({model}), {rate}, "
+        f"at most {args.max_concurrency or 'all'} in flight; git {git_sha()}"
     )
-    lines = [
-        f"server {args.base_url} ({model}), workload {args.workload}: {len(result.records)} requests, "
-        f"{traffic}, git {git_sha()}",
-        f"{'':<12}{'p50':>10}{'p95':>10}{'p99':>10}{'mean':>10}",
-    ]
-    for label, name, scale in (
-        ("TTFT ms", "ttft_s", 1e3),
-        ("TPOT ms", "tpot_s", 1e3),
-        ("E2E s", "e2e_s", 1.0),
-    ):
-        q = result.quantiles(name)
-        values = [q[k] * scale for k in ("p50", "p95", "p99", "mean")] if q else []
-        lines.append(f"{label:<12}" + "".join(f"{v:>10.1f}" for v in values))
-    hit_rate = result.prefix_hit_rate
-    lines += [
-        f"output tokens/s: {result.output_throughput:.1f} over {result.elapsed_s:.1f} s; "
-        f"prefix hit rate: {'n/a' if hit_rate is None else f'{hit_rate:.1%}'}; failed: {failed}",
-    ]
-    if failed:
-        lines.append(f"first error: {next(r.error for r in result.records if r.error)}")
-    if offline is not None:
-        lines.append(
-            f"offline engine, same workload and concurrency: {offline:.1f} tokens/s; "
-            f"server/offline: {result.output_throughput / offline:.2f}x"
+
+
+# ---- offline, main ----------------------------------------------------------------------------
+
+
+def _offline_client(request: BenchRequest) -> Client:
+    params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
+    yield {"prompt": request.prompt}, params
+
+
+def offline_throughput(args: argparse.Namespace, items: Items) -> float:
+    """Output tokens/s of the offline engine on the same requests, a closed loop at the same concurrency."""
+    engine = LLMEngine(engine_config_from_args(args, disable_log_stats=True))
+    if items and isinstance(items[0], Conversation):
+        clients = make_clients(args.dataset_path, engine.tokenizer, args.num_prompts)
+    else:
+        clients = [_offline_client(r) for r in items]  # type: ignore[arg-type]
+    return run_closed_loop(engine, clients, args.max_concurrency or len(clients)).output_throughput
+
+
+def _tokenizer_folder(config: EngineConfig) -> Path:
+    """The tokenizer the engine would load with these flags, found without the model's weights."""
+    if config.tokenizer:
+        return resolve_tokenizer_folder(
+            config.tokenizer, revision=config.tokenizer_revision, download_dir=config.download_dir
         )
-    return {
-        "text": "\n".join(lines),
-        "base_url": args.base_url,
-        "model": model,
-        "workload": args.workload,
-        "concurrency": args.concurrency,
-        "request_rate": None if args.request_rate == float("inf") else args.request_rate,
-        "git": git_sha(),
-        "num_requests": len(result.records),
-        "num_failed": failed,
-        "elapsed_s": result.elapsed_s,
-        "output_throughput": result.output_throughput,
-        "prefix_hit_rate": hit_rate,
-        "ttft_s": result.quantiles("ttft_s"),
-        "tpot_s": result.quantiles("tpot_s"),
-        "e2e_s": result.quantiles("e2e_s"),
-        "offline_output_throughput": offline,
-        "server_offline_ratio": result.output_throughput / offline if offline else None,
-        "requests": [asdict(r) | {"tpot_s": r.tpot_s} for r in result.records],
-    }
-
-
-def save_plot(result: ServeResult, path: str, title: str) -> None:
-    import matplotlib  # here, not at the top: only this command needs it, and it is slow to import
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (label, name, scale) in zip(
-        axes,
-        (("TTFT (ms)", "ttft_s", 1e3), ("TPOT (ms)", "tpot_s", 1e3), ("E2E latency (s)", "e2e_s", 1.0)),
-        strict=True,
-    ):
-        values = [v * scale for r in result.ok if (v := getattr(r, name)) is not None]
-        if values:
-            ax.hist(values, bins=30, color="tab:blue", alpha=0.8)
-            for q, style in zip(QUANTILES, (":", "--", "-"), strict=True):
-                ax.axvline(np.percentile(values, q), color="black", linestyle=style, label=f"p{q}")
-            ax.legend()
-        ax.set_xlabel(label)
-        ax.set_ylabel("requests")
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    return resolve_model_folder(
+        config.model, revision=config.revision, download_dir=config.download_dir, weights=False
+    )
 
 
 def main(args: argparse.Namespace) -> None:
     configure_logging()
-    result, model = asyncio.run(run_server_benchmark(args))
-    offline = None
-    if args.offline:
-        engine = LLMEngine(engine_config_from_args(args, disable_log_stats=True))
-        clients = make_clients(args.workload, engine.tokenizer, args.num_requests)
-        offline = run_closed_loop(engine, clients, args.concurrency or len(clients)).output_throughput
-    report = _report(args, model, result, offline)
-    print(report.pop("text"))
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    tokenizer_id = None
+    try:
+        config = engine_config_from_args(args)  # --model, --tokenizer and --seed are engine flags
+        if dataset_name(args) != "jsonl":
+            tokenizer_id = str(_tokenizer_folder(config))
+        items = load_dataset(args, load_tokenizer(tokenizer_id) if tokenizer_id else None, config.seed)
+        send_times = arrival_times(len(items), args.request_rate, args.burstiness, config.seed)
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"pagedllm bench serve: {error}") from None
+    result, model = asyncio.run(run_server_benchmark(args, items, send_times))
+    offline = offline_throughput(args, items) if args.offline else None
+    text, report = build_report(args, base_url(args), model, tokenizer_id, len(items), result, offline)
+    print(text)
+    paths = [Path(args.output_json)] if args.output_json else []
+    paths += [result_path(args, report)] if args.save_result else []
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
     if args.plot:
-        save_plot(result, args.plot, f"{model} via {args.base_url}: {Path(args.workload).name}")
+        source = Path(args.dataset_path).name if args.dataset_path else dataset_name(args)
+        save_plot(result, args.plot, f"{model} via {base_url(args)}: {source}")

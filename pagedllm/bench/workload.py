@@ -1,4 +1,4 @@
-"""Benchmark request sets: JSONL, one request per line.
+"""Benchmark request sets: JSONL, one request per line (sampled sets, random and ShareGPT: datasets.py).
 
 Single-turn sets have `prompt`, `max_tokens` and `ignore_eos`; conversation sets have
 `conversation_id`, `system`, `turns` (user messages) and `max_tokens` per answer.
@@ -16,6 +16,8 @@ class BenchRequest:
     prompt: str
     max_tokens: int
     ignore_eos: bool = True
+    prompt_len: int | None = None
+    """Prompt tokens, where the set knows them (sampled sets); servers report their own count."""
 
 
 @dataclass(frozen=True)

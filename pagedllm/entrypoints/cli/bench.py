@@ -17,7 +17,10 @@ def register(subparsers) -> None:
     parser = kinds.add_parser("kv-quant", help="8-bit KV cache vs auto: capacity, perplexity, throughput")
     kv_quant.add_arguments(parser)
     parser.set_defaults(handler=kv_quant.main)
-    parser = kinds.add_parser("serve", help="an OpenAI-compatible server under streaming load (vs offline)")
+    parser = kinds.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (ours or vLLM's) under streamed load, with vLLM's flags and keys",
+    )
     serve.add_arguments(parser)
     parser.set_defaults(handler=serve.main)
     parser = kinds.add_parser(
