@@ -128,6 +128,7 @@ def test_sampled_choices_follow_the_grammar(llm):
     [
         (dict(regex="("), "structured_outputs.regex"),
         (dict(grammar="root ::= undefined_rule"), "structured_outputs.grammar"),
+        (dict(choice=["\U00040000"]), "structured_outputs.choice"),  # no token can begin it
         (
             dict(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
             "structured_outputs.json",

@@ -74,6 +74,11 @@ class StructuredOutputBackend:
             compiled = _compile(compiler, params)
         except (RuntimeError, ValueError, TypeError) as error:
             raise ValueError(f"structured_outputs.{params.kind}: {_first_line(error)}") from None
+        if not _can_start(compiled, self.vocab_size):
+            raise ValueError(
+                f"structured_outputs.{params.kind}: no token of this model's vocabulary can begin "
+                "an output this grammar allows"
+            )
         logger.debug("Compiled a %s grammar in %.0f ms", params.kind, (time.monotonic() - start) * 1e3)
         with self._lock:
             self._cache[key] = compiled
@@ -110,6 +115,16 @@ def _compile(compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams
         alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice or [])
         return compiler.compile_grammar(f"root ::= {alternatives}")
     return compiler.compile_grammar(params.spec)
+
+
+def _can_start(compiled: xgrammar.CompiledGrammar, vocab_size: int) -> bool:
+    """Whether some token may come first: a grammar whose strings no token sequence of this
+    vocabulary can begin would mask every logit of the request's first step."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def _first_line(error: Exception) -> str:
