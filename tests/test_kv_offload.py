@@ -44,6 +44,7 @@ def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(tmp_p
     full_blocks = (len(warm.prompt_token_ids) - 1) // 16
     assert warm.num_cached_tokens == full_blocks * 16 > 300
     assert restarted.llm_engine.kv_cache_manager.num_disk_hit_blocks == full_blocks
+    assert restarted.llm_engine.get_stats().num_disk_hit_tokens == full_blocks * 16  # /metrics: source=disk
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
 
 

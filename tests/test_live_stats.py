@@ -1,4 +1,4 @@
-"""LiveStats on its own: percentiles over the window of finished requests, hit-rate rows."""
+"""LiveStats on its own: percentiles over the window of finished requests, hit-rate rows, history."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from pagedllm.metrics.live_stats import WINDOW, LiveStats
+from pagedllm.metrics.live_stats import NUM_SAMPLES, SAMPLE_INTERVAL_S, WINDOW, LiveStats
 from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.request import RequestMetrics
@@ -41,3 +41,48 @@ def test_percentiles_cover_the_last_window_of_requests():
     assert snapshot["latency_s"]["decode_time"]["p99"] == pytest.approx(2.0)
     assert snapshot["prefix_cache"]["by_user"]["alice"]["hit_rate"] == 512 / 600
     assert snapshot["prefix_cache"]["by_prompt_length"]["512-2047"]["hits"] == 512
+
+
+def test_history_samples_rates_gauges_and_ttft_per_interval():
+    now = [1000.0]
+    live = LiveStats("m", num_blocks=10, block_size=16, clock=lambda: now[0])
+    cache = PrefixCacheStats()
+    live.record(SchedulerStats(prefix_cache=cache), [])
+    assert live.snapshot()["history"]["time"] == []  # no interval has passed yet
+    now[0] = 1002.0
+    cache.record("alice", 100, 64)
+    stats = SchedulerStats(
+        num_running_reqs=3,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.5,
+        num_prompt_tokens_computed=36,
+        num_generation_tokens=10,
+        prefix_cache=cache,
+    )
+    live.record(stats, [_finished("a", 0.5, 1.0, 2.0), _finished("b", 0.5, 3.0, 2.0)])
+    history = live.snapshot()["history"]
+    assert history == {
+        "time": [1002.0],
+        "prompt_tokens_per_s": [18.0],
+        "generation_tokens_per_s": [5.0],
+        "running": [3],
+        "waiting": [1],
+        "kv_cache_usage": [0.5],
+        "hit_rate": [0.64],
+        "ttft_p50": [2.5],
+        "ttft_p95": [pytest.approx(3.4)],
+    }
+    now[0] = 1005.0  # an idle engine records nothing: reading takes the due sample
+    history = live.snapshot()["history"]
+    assert history["time"] == [1002.0, 1005.0] and history["generation_tokens_per_s"][1] == 0.0
+    assert history["hit_rate"][1] is None and history["ttft_p50"][1] is None and history["running"][1] == 3
+
+
+def test_history_keeps_the_last_samples():
+    now = [0.0]
+    live = LiveStats("m", num_blocks=10, block_size=16, clock=lambda: now[0])
+    for _ in range(NUM_SAMPLES + 5):
+        now[0] += SAMPLE_INTERVAL_S
+        live.record(SchedulerStats(), [])
+    times = live.snapshot()["history"]["time"]
+    assert len(times) == NUM_SAMPLES and times[-1] == now[0]

@@ -1,12 +1,13 @@
-"""PrometheusMetrics on its own: vLLM's names under either prefix, counters from the engine's
-running totals, histograms from a request's timestamps."""
+"""PrometheusMetrics on its own: vLLM's names under either prefix (and its `engine` label under
+`vllm`), counters from the engine's running totals, histograms from a request's timestamps."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.metrics.prometheus import PrometheusMetrics, token_buckets
+from pagedllm.metrics.buckets import token_buckets
+from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import MAX_TRACKED_USERS, NO_USER, OTHER_USERS, PrefixCacheStats, SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.request import RequestMetrics
@@ -20,48 +21,89 @@ def _samples(metrics: PrometheusMetrics) -> dict[tuple[str, tuple], float]:
     }
 
 
-def _output(metrics: RequestMetrics, num_tokens: int, finish_reason: str | None) -> RequestOutput:
+def _output(
+    metrics: RequestMetrics, num_tokens: int, finish_reason: str | None, num_cached_tokens: int = 0
+) -> RequestOutput:
     completion = CompletionOutput(0, "x" * num_tokens, list(range(num_tokens)), finish_reason=finish_reason)
-    return RequestOutput("r", "p", [1, 2, 3], [completion], finish_reason is not None, metrics, 0)
+    return RequestOutput(
+        "r", "p", [1, 2, 3], [completion], finish_reason is not None, metrics, num_cached_tokens
+    )
 
 
-def test_vllm_prefix_names_and_values():
+def _vllm(name: str, **extra: str) -> tuple[str, tuple]:
+    """The key of a vllm: sample labelled like vLLM's (model "m", engine "0")."""
+    return f"vllm:{name}", tuple(sorted({"model_name": "m", "engine": "0", **extra}.items()))
+
+
+def test_vllm_prefix_names_labels_and_values():
     metrics = PrometheusMetrics(
         "m", prefix="vllm", max_model_len=100, cache_config={"block_size": "16", "num_gpu_blocks": "9"}
     )
     times = RequestMetrics(arrival_time=10.0, queued_time=10.0, first_scheduled_time=10.5)
     times.first_token_time = times.last_token_time = 11.0
-    metrics.record(
-        SchedulerStats(
-            num_running_reqs=1,
-            kv_cache_usage=0.25,
-            num_generation_tokens=1,
-            prefix_cache=PrefixCacheStats(requests=1, queries=3, hits=0),
-        ),
-        [_output(times, 1, None)],
+    cache = PrefixCacheStats(requests=1, queries=3, hits=2)
+    # step 1: the prompt's one uncached token, and the first token
+    first = SchedulerStats(
+        num_running_reqs=1,
+        kv_cache_usage=0.25,
+        num_prompt_tokens_computed=1,
+        num_generation_tokens=1,
+        prefix_cache=cache,
     )
-    times.last_token_time = 11.2
-    times.finished_time = 11.2
-    metrics.record(
-        SchedulerStats(num_generation_tokens=2, prefix_cache=PrefixCacheStats(requests=1, queries=3, hits=0)),
-        [_output(times, 2, "length")],
-    )
+    metrics.record(first, [_output(times, 1, None, num_cached_tokens=2)])
+    times.last_token_time = times.finished_time = 11.2
+    finished = SchedulerStats(num_prompt_tokens_computed=1, num_generation_tokens=2, prefix_cache=cache)
+    metrics.record(finished, [_output(times, 2, "length", num_cached_tokens=2)])  # step 2: one token
+    metrics.record(finished, [])  # a loop turn without a step
+    metrics.record_request_params(n=2, max_tokens=5)
+    metrics.record_rejection()
     samples = _samples(metrics)
-    label = (("model_name", "m"),)
-    assert all(name.startswith("vllm:") for name, _ in samples)
-    assert samples[("vllm:num_requests_running", label)] == 0
-    assert samples[("vllm:generation_tokens_total", label)] == 2
-    assert samples[("vllm:prompt_tokens_total", label)] == 3  # counted once, at the first token
-    assert samples[("vllm:prefix_cache_queries_total", label)] == 3
-    assert samples[("vllm:request_success_total", (("finished_reason", "length"), *label))] == 1
-    assert samples[("vllm:time_to_first_token_seconds_sum", label)] == pytest.approx(1.0)
-    assert samples[("vllm:inter_token_latency_seconds_sum", label)] == pytest.approx(0.2)
-    assert samples[("vllm:e2e_request_latency_seconds_sum", label)] == pytest.approx(1.2)
-    assert samples[("vllm:request_queue_time_seconds_sum", label)] == pytest.approx(0.5)
-    assert samples[("vllm:request_prefill_time_seconds_sum", label)] == pytest.approx(0.5)
-    assert samples[("vllm:request_generation_tokens_sum", label)] == 2
-    info = (("block_size", "16"), ("model_name", "m"), ("num_gpu_blocks", "9"))
+
+    assert all(name.startswith(("vllm:", "process_", "python_")) for name, _ in samples)
+    assert any(name.startswith("process_") for name, _ in samples)  # on the registry /metrics renders
+    assert samples[_vllm("num_requests_running")] == 0
+    assert samples[_vllm("num_requests_waiting_by_reason", reason="capacity")] == 0
+    assert samples[_vllm("generation_tokens_total")] == 2
+    assert samples[_vllm("prompt_tokens_total")] == 3  # counted once, at the first token
+    assert samples[_vllm("prompt_tokens_cached_total")] == 2
+    assert samples[_vllm("prompt_tokens_by_source_total", source="local_compute")] == 1
+    assert samples[_vllm("prompt_tokens_by_source_total", source="local_cache_hit")] == 2
+    assert samples[_vllm("prompt_tokens_cached_by_source_total", source="device")] == 2
+    assert samples[_vllm("prefix_cache_queries_total")] == 3
+    assert samples[_vllm("request_success_total", finished_reason="length")] == 1
+    assert samples[_vllm("request_success_total", finished_reason="abort")] == 0
+    assert samples[_vllm("iteration_tokens_total_count")] == 2  # two steps: 1 + 1 tokens, then 1
+    assert samples[_vllm("iteration_tokens_total_sum")] == 3
+    for name, seconds in (
+        ("time_to_first_token_seconds", 1.0),
+        ("inter_token_latency_seconds", 0.2),
+        ("e2e_request_latency_seconds", 1.2),
+        ("request_queue_time_seconds", 0.5),
+        ("request_prefill_time_seconds", 0.5),
+        ("request_inference_time_seconds", 0.7),
+        ("request_decode_time_seconds", 0.2),
+        ("request_time_per_output_token_seconds", 0.2),
+    ):
+        assert samples[_vllm(f"{name}_sum")] == pytest.approx(seconds), name
+    assert samples[_vllm("request_generation_tokens_sum")] == 2
+    assert samples[_vllm("request_prefill_kv_computed_tokens_sum")] == 1
+    assert (samples[_vllm("request_params_n_count")], samples[_vllm("request_params_n_sum")]) == (1, 2)
+    assert samples[_vllm("request_params_max_tokens_count")] == 2  # once per sequence
+    rejected = ("vllm:admission_rejections_total", (("model_name", "m"), ("reason", "max_num_queued_reqs")))
+    assert samples[rejected] == 1  # vLLM's API-server counter: no engine label
+    info = (("block_size", "16"), ("engine", "0"), ("model_name", "m"), ("num_gpu_blocks", "9"))
     assert samples[("vllm:cache_config_info", info)] == 1
+
+
+def test_one_token_request_has_no_time_per_output_token():
+    metrics = PrometheusMetrics("m", max_model_len=100, cache_config={})
+    times = RequestMetrics(arrival_time=1.0, queued_time=1.0, first_scheduled_time=1.0)
+    times.first_token_time = times.last_token_time = times.finished_time = 2.0
+    metrics.record(SchedulerStats(num_generation_tokens=1), [_output(times, 1, "length")])
+    samples = _samples(metrics)
+    label = (("model_name", "m"),)  # the default prefix: no engine label
+    assert samples[("pagedllm:request_time_per_output_token_seconds_count", label)] == 0
+    assert samples[("pagedllm:request_decode_time_seconds_count", label)] == 1
 
 
 def test_hit_rates_by_prompt_length_and_by_caller_with_bounded_callers():

@@ -335,5 +335,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generation_tokens=self.num_generation_tokens,
+            num_disk_hit_tokens=self.kv_cache_manager.num_disk_hit_blocks * self.kv_cache_manager.block_size,
             prefix_cache=self.prefix_cache_stats,
         )

@@ -1,50 +1,81 @@
-"""Prometheus metrics for /metrics, with vLLM's names so its dashboards and autoscalers work.
+"""Prometheus metrics for /metrics: vLLM's families (names, types, labels, buckets), so dashboards,
+alerts and autoscalers built for vLLM work unchanged.
 
-Every name is `{prefix}:{name}` (prefix `pagedllm`, or `vllm` with --metrics-prefix vllm) with
-the label `model_name`. Gauges and engine counters follow the SchedulerStats snapshot taken after
-each engine step; per-request histograms are fed from RequestMetrics when a request finishes,
-time to first token and inter-token latency as tokens arrive.
+Every engine family is `{prefix}:{name}` (prefix `pagedllm`, or `vllm` with --metrics-prefix vllm)
+labelled `model_name`; under `vllm` also `engine="0"`, as vLLM labels each of its data-parallel
+engines (there is one here). Where the figures come from:
+
+    SchedulerStats after each step   gauges; prefix-cache, preemption and generation counters;
+                                     tokens per step (iteration_tokens_total)
+    RequestOutput as tokens arrive   prompt tokens, time to first token, inter-token latency
+    RequestOutput when finished      request_success and the per-request histograms
+    the HTTP routes                  n and max_tokens of admitted requests, queue-full refusals
+
+The registry also holds prometheus_client's process_* and python_* collectors; metrics/http.py
+adds http_*. vLLM families with no meaning here (speculative decoding, LoRA, KV connectors and
+offloading, multi-modal caches, sleep mode) are left out rather than exported as zeros;
+tests/test_metrics_parity.py lists them with reasons.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import NamedTuple
 
-from pagedllm.metrics.stats import (
-    MAX_CALLER_NAME_CHARS,
-    MAX_TRACKED_USERS,
-    OTHER_USERS,
-    PrefixCacheStats,
-    SchedulerStats,
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
 )
+
+from pagedllm.metrics import buckets
+from pagedllm.metrics.hit_breakdowns import HitBreakdowns
+from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
 
-# vLLM's buckets, so histograms line up with its dashboards.
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0]  # fmt: skip
-_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort", "error")
+_SPANS = {  # span of a finished request -> (family, what it measures), vLLM's definitions
+    "e2e_latency": ("e2e_request_latency_seconds", "Arrival to finish."),
+    "queue_time": ("request_queue_time_seconds", "Queued to first scheduled."),
+    "inference_time": ("request_inference_time_seconds", "First scheduled to last token."),
+    "prefill_time": ("request_prefill_time_seconds", "First scheduled to first token."),
+    "decode_time": ("request_decode_time_seconds", "First to last token."),
+}
 
 
-def token_buckets(max_value: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's build_1_2_5_buckets)."""
-    buckets, exponent = [], 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > max_value:
-                return buckets
-            buckets.append(float(value))
-        exponent += 1
+class _EngineCounts(NamedTuple):
+    """The engine's running totals that counters follow (SchedulerStats holds totals, not deltas)."""
+
+    queries: int = 0
+    hits: int = 0
+    preemptions: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    disk_hits: int = 0
+
+    @classmethod
+    def of(cls, stats: SchedulerStats) -> _EngineCounts:
+        cache = stats.prefix_cache
+        return cls(
+            cache.queries,
+            cache.hits,
+            stats.num_preemptions,
+            stats.num_prompt_tokens_computed,
+            stats.num_generation_tokens,
+            stats.num_disk_hit_tokens,
+        )
 
 
 class PrometheusMetrics:
     """Owns its registry (several servers can live in one process, as in tests).
 
-    `record` runs on the engine thread after every loop turn; prometheus_client is thread-safe,
-    so `render` may run on the event loop at any time.
+    `record` runs on the engine thread after every loop turn (at most one step each);
+    prometheus_client is thread-safe, so `render` and the HTTP routes' `record_*` calls may run
+    on the event loop at any time.
     """
 
     def __init__(
@@ -58,132 +89,166 @@ class PrometheusMetrics:
     ) -> None:
         """caller_labels: export the hit breakdown by caller (`user` strings become label values)."""
         self.registry = CollectorRegistry()
-        label = {"model_name": model_name}
-
-        def name(metric: str) -> str:
-            return f"{prefix}:{metric}"
-
-        def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(name(metric), doc, ["model_name"], registry=self.registry).labels(**label)
-
-        def counter(metric: str, doc: str) -> Counter:
-            return Counter(name(metric), doc, ["model_name"], registry=self.registry).labels(**label)
-
-        def histogram(metric: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(
-                name(metric), doc, ["model_name"], buckets=buckets, registry=self.registry
-            ).labels(**label)
-
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for a seat.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held (0-1).")
-        self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self._hit_breakdowns = {  # label -> (queries, hits), fed from PrefixCacheStats' breakdowns
-            label: tuple(
-                Counter(
-                    name(f"prefix_cache_{kind}_by_{label}"),
-                    f"Prompt tokens {verb} the prefix cache, by {what}.",
-                    ["model_name", label],
-                    registry=self.registry,
-                )
-                for kind, verb in (("queries", "looked up in"), ("hits", "found in"))
-            )
-            for label, what in (
-                ("prompt_length", "prompt-length bucket (tokens)"),
-                (
-                    "user",
-                    f"caller (`user`, its first {MAX_CALLER_NAME_CHARS} characters; "
-                    f"{MAX_TRACKED_USERS} by name, later ones as {OTHER_USERS!r})",
-                ),
-            )
-            if label != "user" or caller_labels
-        }
-        self._last_breakdowns: dict[tuple[str, str], tuple[int, int]] = {}
-        self._request_success = Counter(
-            name("request_success"),
-            "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"],
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)  # stateless readers of this process: safe to share
+        self._prefix = prefix
+        self._labels = {"model_name": model_name} | ({"engine": "0"} if prefix == "vllm" else {})
+        self._add_step_families()
+        self._add_request_families(buckets.token_buckets(max_model_len))
+        self.admission_rejections = Counter(
+            f"{prefix}:admission_rejections",
+            "Requests refused by a queue limit (--max-queue-len), by reason.",
+            ["model_name", "reason"],  # vLLM counts these in its API server: no engine label
             registry=self.registry,
-        )
-        self._model_name = model_name
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens.", _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
-        self.queue_time = histogram(
-            "request_queue_time_seconds", "Queued to first scheduled.", _REQUEST_BUCKETS
-        )
-        self.prefill_time = histogram(
-            "request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_BUCKETS
-        )
-        self.decode_time = histogram("request_decode_time_seconds", "First to last token.", _REQUEST_BUCKETS)
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt length of finished requests.", token_buckets(max_model_len)
-        )
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Output length of finished requests.", token_buckets(max_model_len)
-        )
+        ).labels(model_name=model_name, reason="max_num_queued_reqs")
         Gauge(
-            name("cache_config_info"),
+            f"{prefix}:cache_config_info",
             "KV cache configuration, as labels.",
-            ["model_name", *cache_config],
+            [*self._labels, *cache_config],
             registry=self.registry,
-        ).labels(model_name=model_name, **cache_config).set(1)
-
-        self._engine_counters = (
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-            self.num_preemptions,
-            self.generation_tokens,
-        )
-        self._last_counts = _engine_counts(SchedulerStats())
+        ).labels(**self._labels, **cache_config).set(1)
+        self._hit_breakdowns = HitBreakdowns(self.registry, prefix, self._labels, caller_labels)
+        self._last_counts = _EngineCounts()
         self._last_token_times: dict[str, float] = {}
         """Live requests that have their first token: when their latest token came."""
+
+    def _add_step_families(self) -> None:
+        """What follows SchedulerStats."""
+        self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting for a seat.")
+        # vLLM's other reason, "deferred" (LoRA budget, KV transfer), cannot happen here.
+        self.num_requests_waiting_for_capacity = self._gauge(
+            "num_requests_waiting_by_reason", "Waiting requests, by reason.", reason="capacity"
+        )
+        self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held (0-1).")
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.prompt_tokens_cached_by_source = self._counters(
+            "prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens, by the tier that held them: device memory, or the disk tier "
+            "(--kv-offload-dir) that a lookup brought them back from.",
+            "source",
+            ("device", "disk"),
+        )
+        self.num_preemptions = self._counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.iteration_tokens = self._histogram(
+            "iteration_tokens_total",
+            "Tokens per engine step (prompt and generated).",
+            buckets.ITERATION_TOKENS,
+        )
+
+    def _add_request_families(self, token_buckets: list[float]) -> None:
+        """What follows each request's outputs, and the HTTP routes."""
+        self.prompt_tokens = self._counter(
+            "prompt_tokens", "Prompt tokens of requests that started generating."
+        )
+        self.prompt_tokens_cached = self._counter(
+            "prompt_tokens_cached", "Prompt tokens of requests that started generating, served by the cache."
+        )
+        self.prompt_tokens_by_source = self._counters(
+            "prompt_tokens_by_source",
+            "Prompt tokens, by where their K/V came from.",
+            "source",
+            ("local_compute", "local_cache_hit"),  # no external KV transfer here
+        )
+        self.request_success = self._counters(
+            "request_success", "Finished requests, by finish reason.", "finished_reason", FINISH_REASONS
+        )
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", buckets.TIME_TO_FIRST_TOKEN
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between two tokens.", buckets.INTER_TOKEN_LATENCY
+        )
+        self.time_per_output_token = self._histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time over the output tokens after the first, per request.",
+            buckets.INTER_TOKEN_LATENCY,
+        )
+        self.spans = {
+            span: self._histogram(metric, doc, buckets.REQUEST_LATENCY)
+            for span, (metric, doc) in _SPANS.items()
+        }
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", token_buckets
+        )
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Output length of finished requests.", token_buckets
+        )
+        self.request_prefill_kv_computed_tokens = self._histogram(
+            "request_prefill_kv_computed_tokens",
+            "Prompt tokens of finished requests that were computed, not served by the prefix cache.",
+            token_buckets,
+        )
+        self.request_params_n = self._histogram(
+            "request_params_n", "The n parameter of admitted requests, per prompt.", buckets.REQUEST_PARAMS_N
+        )
+        self.request_params_max_tokens = self._histogram(
+            "request_params_max_tokens",
+            "The max_tokens parameter of admitted sequences, where the request sets one.",
+            token_buckets,
+        )
+
+    def _gauge(self, metric: str, doc: str, **extra: str) -> Gauge:
+        family = Gauge(f"{self._prefix}:{metric}", doc, [*self._labels, *extra], registry=self.registry)
+        return family.labels(**self._labels, **extra)
+
+    def _counter(self, metric: str, doc: str, **extra: str) -> Counter:
+        family = Counter(f"{self._prefix}:{metric}", doc, [*self._labels, *extra], registry=self.registry)
+        return family.labels(**self._labels, **extra)
+
+    def _counters(self, metric: str, doc: str, label: str, values: tuple[str, ...]) -> dict[str, Counter]:
+        """One family, a series for each value of its extra label."""
+        family = Counter(f"{self._prefix}:{metric}", doc, [*self._labels, label], registry=self.registry)
+        return {value: family.labels(**self._labels, **{label: value}) for value in values}
+
+    def _histogram(self, metric: str, doc: str, bounds: list[float]) -> Histogram:
+        family = Histogram(
+            f"{self._prefix}:{metric}", doc, [*self._labels], buckets=bounds, registry=self.registry
+        )
+        return family.labels(**self._labels)
+
+    # ---- the engine thread -------------------------------------------------------------------
 
     def record(self, stats: SchedulerStats, outputs: list[RequestOutput]) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.num_requests_waiting_for_capacity.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        counts = _engine_counts(stats)
-        for counter, now, before in zip(self._engine_counters, counts, self._last_counts, strict=True):
-            counter.inc(now - before)
-        if counts[0] != self._last_counts[0]:  # prompt tokens were looked up: some breakdown moved
-            self._record_hit_breakdowns(stats.prefix_cache)
+        counts = _EngineCounts.of(stats)
+        new = _EngineCounts(*(now - before for now, before in zip(counts, self._last_counts, strict=True)))
         self._last_counts = counts
+        self.prefix_cache_queries.inc(new.queries)
+        self.prefix_cache_hits.inc(new.hits)
+        self.prompt_tokens_cached_by_source["disk"].inc(new.disk_hits)
+        self.prompt_tokens_cached_by_source["device"].inc(max(0, new.hits - new.disk_hits))
+        self.num_preemptions.inc(new.preemptions)
+        self.generation_tokens.inc(new.generation_tokens)
+        if new.prompt_tokens_computed + new.generation_tokens:  # a step ran (one per loop turn)
+            self.iteration_tokens.observe(new.prompt_tokens_computed + new.generation_tokens)
+        if new.queries:  # prompt tokens were looked up: some breakdown moved
+            self._hit_breakdowns.record(stats.prefix_cache)
         for output in outputs:
             self._record_tokens(output)
             if output.finished:
                 self._record_finished(output)
-
-    def _record_hit_breakdowns(self, prefix_cache: PrefixCacheStats) -> None:
-        for label, by_value in (
-            ("prompt_length", prefix_cache.by_prompt_length),
-            ("user", prefix_cache.by_user),
-        ):
-            if label not in self._hit_breakdowns:
-                continue
-            queries, hits = self._hit_breakdowns[label]
-            for value, counts in by_value.items():
-                last_queries, last_hits = self._last_breakdowns.get((label, value), (0, 0))
-                if counts.queries == last_queries:
-                    continue
-                labels = {"model_name": self._model_name, label: value}
-                queries.labels(**labels).inc(counts.queries - last_queries)
-                hits.labels(**labels).inc(counts.hits - last_hits)
-                self._last_breakdowns[(label, value)] = (counts.queries, counts.hits)
 
     def _record_tokens(self, output: RequestOutput) -> None:
         token_time = output.metrics.last_token_time
         if token_time is None:
             return
         previous = self._last_token_times.get(output.request_id)
-        if previous is None:
-            self.prompt_tokens.inc(len(output.prompt_token_ids))
+        if previous is None:  # the first token: the prompt is done, counted once here
+            num_prompt_tokens, num_cached = len(output.prompt_token_ids), output.num_cached_tokens
+            self.prompt_tokens.inc(num_prompt_tokens)
+            self.prompt_tokens_cached.inc(num_cached)
+            self.prompt_tokens_by_source["local_compute"].inc(num_prompt_tokens - num_cached)
+            self.prompt_tokens_by_source["local_cache_hit"].inc(num_cached)
             ttft = output.metrics.time_to_first_token
             if ttft is not None:
                 self.ttft.observe(ttft)
@@ -193,29 +258,43 @@ class PrometheusMetrics:
 
     def _record_finished(self, output: RequestOutput) -> None:
         self._last_token_times.pop(output.request_id, None)
-        reason = output.outputs[0].finish_reason or "abort"
-        self._request_success.labels(model_name=self._model_name, finished_reason=reason).inc()
+        self.request_success[output.outputs[0].finish_reason or "abort"].inc()
         metrics = output.metrics
-        for histogram, value in (
-            (self.e2e, metrics.e2e_latency),
-            (self.queue_time, metrics.queue_time),
-            (self.prefill_time, metrics.prefill_time),
-            (self.decode_time, metrics.decode_time),
-        ):
-            if value is not None:
-                histogram.observe(value)
-        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.observe(len(output.outputs[0].token_ids))
+        spans = {
+            "e2e_latency": metrics.e2e_latency,
+            "queue_time": metrics.queue_time,
+            "inference_time": _span(metrics.first_scheduled_time, metrics.last_token_time),
+            "prefill_time": metrics.prefill_time,
+            "decode_time": metrics.decode_time,
+        }
+        for span, value in spans.items():
+            if value is not None:  # a request aborted before that point has no such span
+                self.spans[span].observe(value)
+        num_prompt_tokens, num_output_tokens = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+        if metrics.decode_time is not None and num_output_tokens > 1:
+            # vLLM observes 0 for one-token requests; left out here: they have no decode step.
+            self.time_per_output_token.observe(metrics.decode_time / (num_output_tokens - 1))
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
+        self.request_prefill_kv_computed_tokens.observe(num_prompt_tokens - output.num_cached_tokens)
+
+    # ---- the HTTP routes ---------------------------------------------------------------------
+
+    def record_request_params(self, n: int, max_tokens: int | None, num_prompts: int = 1) -> None:
+        """An admitted request: n once per prompt and max_tokens once per sequence, as vLLM counts."""
+        for _ in range(num_prompts):
+            self.request_params_n.observe(n)
+        if max_tokens is not None:
+            for _ in range(num_prompts * n):
+                self.request_params_max_tokens.observe(max_tokens)
+
+    def record_rejection(self) -> None:
+        """A request refused because --max-queue-len requests were already waiting."""
+        self.admission_rejections.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def _engine_counts(stats: SchedulerStats) -> tuple[int, int, int, int]:
-    """The engine's running totals that feed counters, in `_engine_counters` order."""
-    return (
-        stats.prefix_cache.queries,
-        stats.prefix_cache.hits,
-        stats.num_preemptions,
-        stats.num_generation_tokens,
-    )
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start

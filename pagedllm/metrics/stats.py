@@ -85,4 +85,6 @@ class SchedulerStats:
     """Total prompt tokens that went through the model (prefix hits did not; recomputes after
     preemption did)."""
     num_generation_tokens: int = 0
+    num_disk_hit_tokens: int = 0
+    """Prefix-cache hit tokens a lookup brought back from the disk tier (--kv-offload-dir)."""
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)

@@ -5,8 +5,9 @@
     engine thread:      builds LLMEngine, then drives LLMEngine.step(); PrometheusMetrics and
                         LiveStats record after each turn (all torch work stays on this one thread)
 
-Beside the OpenAI routes: /health, /version, /metrics (Prometheus), /stats (LiveStats' JSON)
-and /dashboard (a page that polls /stats).
+Beside the OpenAI routes: /health, /version, /metrics (Prometheus), /stats (LiveStats' JSON),
+/stats/kv_blocks (the KV block map, read on the engine thread) and /dashboard (a page that polls
+both, with its chart library under /static).
 
 Start-up: bind the port (fail fast), load the engine (it logs the KV cache report), then log the URL.
 SIGINT/SIGTERM: new requests get 503, in-flight ones get --graceful-shutdown-timeout seconds to
@@ -26,7 +27,7 @@ import re
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
@@ -34,11 +35,12 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__, limits
 from pagedllm.config import add_engine_args, engine_config_from_args
-from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.engine.async_engine import AsyncLLM, QueueFullError
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
@@ -58,6 +60,8 @@ from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from pagedllm.logger import configure_logging
+from pagedllm.metrics.block_map import block_holders, block_map
+from pagedllm.metrics.http import instrument_http
 from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import SchedulerStats
@@ -69,6 +73,7 @@ logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")  # by name:
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 _DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()  # polls GET /stats
+_STATIC_DIR = Path(__file__).parent / "static"  # the page's chart library (uPlot), no CDN
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -229,7 +234,8 @@ def build_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    instrument_http(app, metrics.registry)  # outermost: counts the 401s and 413s too
     completions = ServingCompletion(engine, models, tokenizer)
     chat = ServingChat(
         engine,
@@ -241,17 +247,34 @@ def build_app(
     )
     tokenization = ServingTokenization(models, tokenizer, chat, engine.engine.model_config.vocab_size)
 
+    async def admitted(
+        create: Awaitable[Response], n: int, max_tokens: int | None, num_prompts: int = 1
+    ) -> Response:
+        """vLLM's admission metrics: a refusal past --max-queue-len, else the request's parameters."""
+        try:
+            response = await create
+        except QueueFullError:
+            metrics.record_rejection()
+            raise
+        metrics.record_request_params(n, max_tokens, num_prompts)
+        return response
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         return models.list()
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await completions.create(body, request)
+        prompt = body.prompt  # one text or one list of token ids, else a list of them
+        num_prompts = (
+            1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+        )
+        return await admitted(completions.create(body, request), body.n, body.max_tokens, num_prompts)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await chat.create(body, request)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await admitted(chat.create(body, request), body.n, max_tokens)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -287,9 +310,22 @@ def build_app(
             ]
         return snapshot
 
+    @app.get("/stats/kv_blocks")
+    async def kv_block_map() -> dict:
+        return await engine.call(lambda llm: block_map(llm.kv_cache_manager.block_pool))
+
+    @app.get("/stats/kv_blocks/{block_id}")
+    async def kv_block(block_id: int) -> dict:
+        try:
+            return await engine.call(lambda llm: block_holders(llm, block_id))
+        except IndexError as error:
+            raise APIError(HTTPStatus.NOT_FOUND, str(error)) from None
+
     @app.get("/dashboard")
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(_DASHBOARD_HTML)
+
+    app.mount("/static", StaticFiles(directory=_STATIC_DIR), name="static")
 
     return app
 

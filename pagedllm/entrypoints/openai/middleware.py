@@ -15,8 +15,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm.entrypoints.openai.errors import APIError, error_response, http_error
 
 GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/stats")
-"""What the API key guards: the API, tokenization (it is the model's tokenizer) and /stats (it
-names callers). /health, /version, /metrics and /dashboard (a page that asks for the key) stay open."""
+"""What the API key guards (by prefix): the API, tokenization (it is the model's tokenizer), /stats
+(it names callers) and /stats/kv_blocks (request ids and callers by block). /health, /version,
+/metrics, /dashboard (a page that asks for the key) and /static (its chart library) stay open."""
 
 
 class APIKeyMiddleware:

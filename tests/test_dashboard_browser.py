@@ -1,0 +1,131 @@
+"""/dashboard in a real browser: Debian's Chromium, headless, driven by Playwright, against a real server
+started with --api-key (the page takes the key from its #key= fragment).
+
+Skips when Playwright or Chromium is missing (`make setup` installs Chromium where apt-get can).
+`PAGEDLLM_DASHBOARD_SCREENSHOT=docs/dashboard.png pytest tests/test_dashboard_browser.py` also saves
+the page after the traffic: the README's picture.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from .conftest import server_engine_args
+from .test_server import RemoteServer
+
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="Playwright is not installed: pip install -c constraints.txt -e '.[dev]'"
+)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium on PATH: apt-get install chromium (`make setup` does it as root)"
+)
+
+API_KEY = "browser-key"
+MODEL = "SmolLM2-135M-Instruct"
+MARKUP_CALLER = "<b>x</b><script>window.pwned=1</script>"
+SYSTEM = "You are a careful assistant. Answer in one short sentence and cite no sources. " * 6
+WAIT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def server():
+    remote = RemoteServer([*server_engine_args(), "--api-key", API_KEY])
+    yield remote
+    remote.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        # --no-sandbox: Chromium's sandbox refuses to start as root (CI and containers)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+def open_dashboard(browser, server):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{server.url}/dashboard#key={API_KEY}")
+    page.wait_for_function("() => document.getElementById('model').textContent !== ''", timeout=WAIT_MS)
+    return page
+
+
+def complete(server, prompt: str, user: str, max_tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "user": user}
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        json={**body, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=300,
+    )
+    response.raise_for_status()
+    return response.json()
+
+
+def wait_for_text(page, element_id: str, text: str) -> None:
+    page.wait_for_function(
+        f"() => document.getElementById({element_id!r}).textContent.includes({text!r})", timeout=WAIT_MS
+    )
+
+
+def click_a_held_block(page) -> None:
+    """Click the first block a request holds, where the page drew it."""
+    x, y = page.evaluate(
+        """() => { const i = blockStates.search(/[us]/);
+                   return [(i % columns + .5) * cell, (Math.floor(i / columns) + .5) * cell]; }"""
+    )
+    page.locator("#blocks").click(position={"x": x, "y": y})
+
+
+def test_dashboard_follows_traffic(server, browser, tmp_path):
+    page = open_dashboard(browser, server)
+    assert page.locator(".uplot").count() == 4 and page.locator("#error").text_content() == ""
+    page.wait_for_function("() => blockStates.length > 0 && !/[us]/.test(blockStates)", timeout=WAIT_MS)
+
+    # The divergence panel: prompts that differ in the middle only.
+    rules = "Answer briefly and cite sources. " * 12
+    for second in (7, 9, 11):
+        complete(server, f"Support bot. Time: 10:41:{second:02d}\n{rules}Q: hi", "support", 1)
+    wait_for_text(page, "divergence", "10:41:")
+
+    # Requests with one system prompt: their blocks show up held (the shared prefix shared), and
+    # a clicked block names the requests that hold it.
+    questions = ["Why is the sky blue?", "What is a prime?", "Name a river.", "What is rain?"]
+    with ThreadPoolExecutor(len(questions) + 1) as pool:
+        running = [
+            pool.submit(complete, server, SYSTEM + q, f"caller-{i}", 128) for i, q in enumerate(questions)
+        ]
+        running.append(pool.submit(complete, server, SYSTEM + "Say hi.", MARKUP_CALLER, 128))
+        page.wait_for_function("() => /[us]/.test(blockStates)", timeout=WAIT_MS)
+        click_a_held_block(page)
+        wait_for_text(page, "block_holders", "cmpl-")
+        page.wait_for_function("() => charts.requests.data[1].some(v => v > 0)", timeout=WAIT_MS)
+        screenshot = os.environ.get("PAGEDLLM_DASHBOARD_SCREENSHOT")
+        page.screenshot(path=screenshot or tmp_path / "dashboard.png", full_page=True)
+        for future in running:
+            future.result()
+    # Finished requests let their blocks go (the followed block has no holders left); the prompts'
+    # full blocks stay cached for later hits.
+    page.wait_for_function("() => !/[us]/.test(blockStates) && blockStates.includes('c')", timeout=WAIT_MS)
+    page.wait_for_function("() => outlined.size === 0", timeout=WAIT_MS)
+    page.wait_for_function(
+        "() => charts.throughput.data[1].some(v => v > 0) && charts.cache.data[2].some(v => v !== null)",
+        timeout=WAIT_MS,
+    )
+
+    # A caller's name is text, never markup.
+    wait_for_text(page, "by_user", MARKUP_CALLER)
+    assert page.locator("#by_user b, #by_user script, #block_holders b").count() == 0
+    assert page.evaluate("window.pwned") is None
+    page.close()
+
+    # A page opened now draws the last minutes at once: the history is kept by the server.
+    fresh = open_dashboard(browser, server)
+    fresh.wait_for_function("() => charts.throughput.data[1].some(v => v > 0)", timeout=5_000)
+    fresh.close()
