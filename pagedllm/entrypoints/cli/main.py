@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from pagedllm import __version__
-from pagedllm.entrypoints.cli import analyze, bench, evaluate, generate, plan, serve
+from pagedllm.entrypoints.cli import analyze, bench, evaluate, generate, plan, router, serve
 
 
 class StrictParser(argparse.ArgumentParser):
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(subparsers)
     evaluate.register(subparsers)
     analyze.register(subparsers)
+    router.register(subparsers)
     return parser
 
 

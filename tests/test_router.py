@@ -1,0 +1,263 @@
+"""The router: its policies on their own, then two real replicas behind it (hit rates on the shared
+workloads against one replica alone, streaming, /metrics, a replica killed under it)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm.bench.workload import Conversation, load_workload
+from pagedllm.entrypoints.cli.main import build_parser
+from pagedllm.entrypoints.cli.router import build_router
+from pagedllm.entrypoints.router.policy import CacheAware, Replica, RoundRobin
+from pagedllm.entrypoints.router.prefix_index import PrefixIndex, chunk_hashes
+from pagedllm.entrypoints.router.replicas import ReplicaSet
+from pagedllm.entrypoints.router.request_text import request_text
+
+from .conftest import server_engine_args
+from .test_server import RemoteServer
+
+API_KEY = "router-key"
+MODEL = "SmolLM2-135M-Instruct"
+WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+
+
+# ---- policy, index, health: no servers -------------------------------------------------------------
+
+
+def _replicas(n: int, chunk_chars: int = 4) -> list[Replica]:
+    return [Replica(f"http://r{i}", PrefixIndex(chunk_chars, 1000)) for i in range(n)]
+
+
+def test_prefix_index_matches_whole_chunks_and_evicts_leaves_first() -> None:
+    index = PrefixIndex(chunk_chars=4, max_chunks=3)
+    index.insert(chunk_hashes("aaaabbbbcccc", 4))
+    assert index.match_chars(chunk_hashes("aaaabbbbxx", 4)) == 8
+    index.insert(chunk_hashes("zzzz", 4))  # over the bound: the oldest leaf (cccc) goes, not its parents
+    assert index.match_chars(chunk_hashes("aaaabbbbcccc", 4)) == 8
+    assert len(index) == 3
+
+
+def test_cache_aware_follows_the_prefix_until_loads_diverge() -> None:
+    policy = CacheAware(cache_threshold=0.5, min_match_chars=1000, balance_abs_threshold=2)
+    r0, r1 = _replicas(2)
+    doc = "a shared document " * 4
+    assert policy.select(doc + "q1", [r0, r1]) is r0  # cold: least loaded, first on ties
+    assert policy.select("something else entirely", [r0, r1]) is r1  # ties go to the smaller index
+    r0.num_in_flight = 2
+    assert policy.select(doc + "q2", [r0, r1]) is r0  # 2 above the idlest is within the threshold
+    r0.num_in_flight = 3
+    assert policy.select(doc + "q3", [r0, r1]) is r1  # diverged: least loaded
+
+
+def test_round_robin_and_request_text() -> None:
+    policy = RoundRobin()
+    r0, r1 = _replicas(2)
+    assert [policy.select("", [r0, r1]).url for _ in range(3)] == ["http://r0", "http://r1", "http://r0"]
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"text": "U"}]}]}
+    longer = {"messages": [*chat["messages"], {"role": "assistant", "content": "A"}]}
+    assert request_text("/v1/chat/completions", longer).startswith(request_text("/v1/chat/completions", chat))
+    assert request_text("/v1/completions", {"prompt": [1, 2]}) == "[1,2]"
+
+
+def test_a_down_replica_comes_back_when_its_health_probe_passes() -> None:
+    replica_set = ReplicaSet(["http://r0", "http://r1"], RoundRobin())
+    r0, r1 = replica_set.replicas
+    r0.index.insert(chunk_hashes("abcdabcd", 4))
+    replica_set.mark_down(r0, "connection refused")
+    assert replica_set.healthy() == [r1] and len(r0.index) == 0
+    assert replica_set.pick("", tried={"http://r1"}) is None
+
+    async def probe(status: int) -> None:
+        transport = httpx.MockTransport(lambda request: httpx.Response(status))
+        async with httpx.AsyncClient(transport=transport) as client:
+            await replica_set.probe_all(client)
+
+    asyncio.run(probe(200))
+    assert replica_set.healthy() == [r0, r1]
+    asyncio.run(probe(503))
+    assert replica_set.healthy() == []
+
+
+# ---- two real replicas ---------------------------------------------------------------------------
+
+
+class UvicornThread:
+    """An ASGI app served by uvicorn on a thread and a free port."""
+
+    def __init__(self, app: FastAPI) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+class RouterThread(UvicornThread):
+    """`pagedllm router` flags -> the router app on a thread."""
+
+    def __init__(self, urls: list[str], policy: str, health_interval: float = 60.0) -> None:
+        argv = ["router", "--policy", policy, "--health-interval", str(health_interval)]
+        super().__init__(
+            build_router(build_parser().parse_args([*argv, *(f"--replica={url}" for url in urls)]))
+        )
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    args = [*server_engine_args(), "--kv-cache-memory-bytes", "512MiB", "--api-key", API_KEY]
+    with ThreadPoolExecutor(2) as pool:
+        servers = list(pool.map(lambda _: RemoteServer(args), range(2)))
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def routers(replicas):
+    urls = [server.url for server in replicas]
+    started = {policy: RouterThread(urls, policy) for policy in ("cache_aware", "round_robin")}
+    yield started
+    for router in started.values():
+        router.stop()
+
+
+def _hit_rate_shared_prefix(client: openai.OpenAI, tag: str) -> float:
+    """The first 16 prompts of shared_prefix.jsonl, one after another."""
+    num_cached = num_prompt = 0
+    for request in load_workload(WORKLOADS / "shared_prefix.jsonl", limit=16):
+        out = client.completions.create(
+            model=MODEL, prompt=f"[{tag}] {request.prompt}", max_tokens=4, temperature=0
+        )
+        num_cached += out.usage.prompt_tokens_details.cached_tokens
+        num_prompt += out.usage.prompt_tokens
+    return num_cached / num_prompt
+
+
+def _hit_rate_multiturn(client: openai.OpenAI, tag: str) -> float:
+    """4 conversations of multiturn.jsonl, each turn sent with the answers so far appended."""
+    num_cached = num_prompt = 0
+    for conversation in load_workload(WORKLOADS / "multiturn.jsonl", limit=4):
+        assert isinstance(conversation, Conversation)
+        messages = [{"role": "system", "content": f"[{tag}] {conversation.system}"}]
+        for turn in conversation.turns:
+            messages.append({"role": "user", "content": turn})
+            out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+            messages.append({"role": "assistant", "content": out.choices[0].message.content})
+            num_cached += out.usage.prompt_tokens_details.cached_tokens
+            num_prompt += out.usage.prompt_tokens
+    return num_cached / num_prompt
+
+
+@pytest.mark.parametrize("workload", ["shared_prefix", "multiturn"])
+def test_cache_aware_keeps_a_single_replicas_hit_rate(replicas, routers, workload: str) -> None:
+    # A fresh tag per run opens every prompt, so no run finds another run's blocks in a cache.
+    measure = _hit_rate_shared_prefix if workload == "shared_prefix" else _hit_rate_multiturn
+    single = openai.OpenAI(base_url=f"{replicas[0].url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    rates = {"single": measure(single, "single")}
+    for policy, router in routers.items():
+        rates[policy] = measure(router.client(), policy)
+    print(f"\n{workload} hit rates: " + ", ".join(f"{name} {rate:.3f}" for name, rate in rates.items()))
+    assert rates["cache_aware"] >= 0.9 * rates["single"]
+
+
+def test_streaming_passes_through(routers) -> None:
+    client = routers["cache_aware"].client()
+    kwargs = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    chunks = [c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert len(chunks) > 1
+    assert "".join(chunks) == client.completions.create(**kwargs).choices[0].text
+
+
+def test_models_health_and_authorization_pass_through(routers) -> None:
+    url = routers["cache_aware"].url
+    assert httpx.get(f"{url}/health").status_code == 200
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
+
+
+def test_metrics_aggregate_both_replicas(replicas, routers) -> None:
+    text = httpx.get(f"{routers['round_robin'].url}/metrics").text
+    type_lines = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(type_lines) == len(set(type_lines))  # each family once, as Prometheus requires
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    urls = {server.url for server in replicas}
+    prompt_tokens = [f for name, f in families.items() if name.endswith("prompt_tokens")]
+    assert prompt_tokens and {s.labels["replica"] for s in prompt_tokens[0].samples} == urls
+    healthy = families["pagedllm_router_replica_healthy"].samples
+    assert {s.labels["replica"]: s.value for s in healthy} == dict.fromkeys(urls, 1.0)
+
+
+def _breaking_replica() -> FastAPI:
+    """A stand-in replica whose stream breaks after its first event."""
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response()
+
+    @app.post("/v1/completions")
+    def completions() -> StreamingResponse:
+        def events():
+            yield b'data: {"choices": []}\n\n'
+            raise RuntimeError("the replica died mid-stream")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_stream_broken_mid_way_ends_with_an_error_event() -> None:
+    replica = UvicornThread(_breaking_replica())
+    router = RouterThread([replica.url], "cache_aware")
+    try:
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={"prompt": "x", "stream": True}) as r:
+            body = r.read().decode()
+    finally:
+        router.stop()
+        replica.stop()
+    assert body.startswith('data: {"choices": []}')
+    assert '"error"' in body and body.endswith("data: [DONE]\n\n")
+
+
+def test_a_killed_replica_is_taken_out_without_client_errors(replicas, routers) -> None:
+    # Runs last: it stops a replica. The health interval is 60 s, so requests find the failure.
+    replicas[1].stop()
+    for router in routers.values():
+        client = router.client()
+        for i in range(3):
+            out = client.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=2)
+            assert out.choices[0].text is not None
+    text = httpx.get(f"{routers['round_robin'].url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    healthy = {s.labels["replica"]: s.value for s in families["pagedllm_router_replica_healthy"].samples}
+    assert healthy == {replicas[0].url: 1.0, replicas[1].url: 0.0}
+    failures = {s.labels["replica"]: s.value for s in families["pagedllm_router_replica_failures"].samples}
+    assert failures[replicas[1].url] >= 1
+    assert httpx.get(f"{routers['round_robin'].url}/health").status_code == 200
