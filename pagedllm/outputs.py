@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from pagedllm.request import RequestMetrics
 
+INVALID_REQUEST = "invalid request: "
+"""Opens RequestOutput.error when the request's own content made it fail (a grammar this
+vocabulary cannot finish): the server answers 400 for it, not 500."""
+
 
 @dataclass
 class Logprob:
@@ -46,3 +50,5 @@ class RequestOutput:
     """With SamplingParams.prompt_logprobs: per prompt token (None for the first)."""
     error: str | None = None
     """Why the request failed, when its finish_reason is "error"."""
+    num_preemptions: int = 0
+    """Times the scheduler took this request's blocks back and recomputed it."""

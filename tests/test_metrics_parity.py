@@ -31,7 +31,6 @@ NOT_APPLICABLE = {
 }
 NOT_YET = {
     "vllm:request_max_num_generation_tokens": "needs each sequence's parent (n); RequestOutput lacks it",
-    "vllm:request_num_preemptions": "needs each request's preemption count; RequestOutput lacks it",
 }
 """Meaningful here, but the engine's outputs do not carry the figure yet (pagedllm/outputs.py)."""
 # Histograms of token counts: their buckets run 1, 2, 5, ... up to max_model_len.

@@ -31,7 +31,9 @@ from .test_server import RemoteServer
 
 API_KEY = "router-key"
 MODEL = "SmolLM2-135M-Instruct"
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+WORKLOADS = Path(__file__).parent / "fixtures" / "workloads"
+"""The first requests of ../shared/workloads' shared_prefix and multiturn sets, copied here: CI's
+clone has no ../shared."""
 
 
 # ---- policy, index, health: no servers -------------------------------------------------------------

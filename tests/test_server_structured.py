@@ -109,6 +109,8 @@ def test_json_object_and_vllm_fields_on_completions(client):
         {"response_format": {"type": "xml"}},
         {"structured_outputs": {"regex": "("}},
         {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+        {"structured_outputs": {"choice": ["\U00040000"]}},  # no token can begin it
+        {"structured_outputs": {"choice": ["0\U00040000"]}},  # ... nor go on after "0"
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         {"tools": [WEATHER], "tool_choice": "sometimes"},
         {"tool_choice": "required"},

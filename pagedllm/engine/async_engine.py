@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from pagedllm import limits
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import INVALID_REQUEST, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ class EngineUnavailableError(Exception):
 
 class RequestFailedError(Exception):
     """This request failed inside the engine (the engine itself went on serving the others)."""
+
+
+class RequestRejectedError(RequestFailedError):
+    """This request failed inside the engine because of what it asked for (the client's fault)."""
 
 
 class RequestStream:
@@ -286,7 +290,9 @@ class AsyncLLM:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue  # aborted by its handler
-            if output.error is not None:
+            if output.error is not None and output.error.startswith(INVALID_REQUEST):
+                route[0]._fail(RequestRejectedError(output.error.removeprefix(INVALID_REQUEST)))
+            elif output.error is not None:
                 route[0]._fail(RequestFailedError(f"the request failed: {output.error}"))
             else:
                 route[0]._put(route[1], output)

@@ -142,4 +142,5 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=state.prompt_logprobs,
             error=state.error,
+            num_preemptions=request.num_preemptions,
         )

@@ -185,6 +185,9 @@ class PrometheusMetrics:
             "Prompt tokens of finished requests that were computed, not served by the prefix cache.",
             token_buckets,
         )
+        self.request_num_preemptions = self._histogram(
+            "request_num_preemptions", "Times a finished request was preempted.", buckets.NUM_PREEMPTIONS
+        )
         self.request_params_n = self._histogram(
             "request_params_n", "The n parameter of admitted requests, per prompt.", buckets.REQUEST_PARAMS_N
         )
@@ -277,6 +280,7 @@ class PrometheusMetrics:
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_output_tokens)
         self.request_prefill_kv_computed_tokens.observe(num_prompt_tokens - output.num_cached_tokens)
+        self.request_num_preemptions.observe(output.num_preemptions)
 
     # ---- the HTTP routes ---------------------------------------------------------------------
 

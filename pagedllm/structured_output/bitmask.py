@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm.outputs import INVALID_REQUEST
+
 if TYPE_CHECKING:
     from pagedllm.structured_output.backend import RequestGrammar
 
@@ -36,6 +38,12 @@ def fill_bitmask(grammars: Sequence[tuple[str, RequestGrammar]]) -> GrammarBitma
             grammar.fill_bitmask(bitmask, row)
         except Exception as error:  # one matcher's fault is its request's alone
             failed[req_id] = f"structured output: {type(error).__name__}: {error}"
+            continue
+        if not bitmask[row].any():  # a dead end: no token of this vocabulary can continue the output
+            failed[req_id] = (
+                f"{INVALID_REQUEST}structured_outputs: the output reached a point of the grammar that "
+                "no token of this model's vocabulary can continue"
+            )
     return GrammarBitmask([req_id for req_id, _ in grammars], bitmask, failed)
 
 

@@ -17,7 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagedllm.engine.async_engine import EngineUnavailableError, QueueFullError, RequestFailedError
+from pagedllm.engine.async_engine import (
+    EngineUnavailableError,
+    QueueFullError,
+    RequestFailedError,
+    RequestRejectedError,
+)
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -44,8 +49,9 @@ class APIError(Exception):
         self.headers = headers
 
 
-def invalid_request(error: ValueError) -> APIError:
-    """400 for an engine or SamplingParams ValueError, naming the field it starts with."""
+def invalid_request(error: Exception) -> APIError:
+    """400 for a ValueError (engine, SamplingParams) or a request rejected in the engine, naming the
+    field its message starts with."""
     message = str(error)
     match = re.match(r"([a-z_]+)[:.]", message)
     return APIError(HTTPStatus.BAD_REQUEST, message, param=match.group(1) if match else None)
@@ -73,6 +79,8 @@ def to_api_error(error: Exception) -> APIError:
         return queue_full(error)
     if isinstance(error, EngineUnavailableError):
         return unavailable(error)
+    if isinstance(error, RequestRejectedError):
+        return invalid_request(error)
     if isinstance(error, RequestFailedError):
         return APIError(
             HTTPStatus.INTERNAL_SERVER_ERROR, str(error), type="server_error", code="request_failed"
