@@ -232,7 +232,9 @@ def report(
         lines.append("no setting meets the SLO; loosen it or widen the grid")
     else:
         chosen = next(r for r in results if r.setting == best)
-        gain = f" ({chosen.output_throughput / base.output_throughput:.2f}x the defaults)" if base else ""
+        gain = f" ({chosen.output_throughput / base.output_throughput:.2f}x the defaults" if base else ""
+        if base is not None:
+            gain += ", which miss the SLO)" if not base.meets_slo else ")"
         lines.append(f"recommended: {_label(best)}: {chosen.output_throughput:.1f} tokens/s{gain}")
         lines.append(f"  {serve_command(best, fixed)}")
     return "\n".join(lines)
@@ -259,6 +261,12 @@ def save_plot(results: list[SettingResult], path: str) -> None:
     )
     for r in front:
         ax.annotate(_label(r.setting), (r.ttft_p95_s, r.output_throughput), fontsize=7)
+    best = next((r for r in ok if r.setting == _recommended(results)), None)
+    if best is not None:
+        ax.scatter(
+            [best.ttft_p95_s], [best.output_throughput], marker="*", s=220, c="C2", label="recommended"
+        )
+        ax.annotate(_label(best.setting), (best.ttft_p95_s, best.output_throughput), fontsize=7)
     ax.set_xlabel("TTFT p95 (s)")
     ax.set_ylabel("output tokens/s")
     ax.legend()
