@@ -103,11 +103,13 @@ def test_revision_picks_a_snapshot(hub_cache, network_calls):
     assert network_calls == []
 
 
-def test_download_dir_is_the_cache_looked_in(hub_cache, tmp_path, monkeypatch, network_calls):
+def test_download_dir_is_the_cache_looked_in(hub_cache, tmp_path, monkeypatch, network_calls, capsys):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
     with pytest.raises(HubModelNotFoundError, match=re.escape(str(tmp_path / "empty"))):
         locate_model(REPO)
     assert locate_model(REPO, download_dir=str(hub_cache)) == snapshot(hub_cache, MAIN)
+    main(["plan", "--model", REPO, "--download-dir", str(hub_cache), "--revision", "main", "--json"])
+    assert '"num_layers": 30' in capsys.readouterr().out.replace("\n", "")
     assert network_calls == []
 
 

@@ -30,7 +30,11 @@ def register(subparsers) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or GGUF file (default: the default model)")
+    parser.add_argument(
+        "--model", default=None, help="HF folder, GGUF file or hub name ORG/NAME (default: the default model)"
+    )
+    parser.add_argument("--revision", default=None, help="hub model: branch, tag or commit")
+    parser.add_argument("--download-dir", default=None, help="hub model: the cache folder to read or fill")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto")
     parser.add_argument("--block-size", type=int, default=16, choices=[2**i for i in range(9)])
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace) -> None:
 
 def build_plan(args: argparse.Namespace) -> CapacityPlan:
     if args.layers is None:
-        config, name = read_model_config(args.model), model_display_name(args.model)
+        config = read_model_config(args.model, revision=args.revision, download_dir=args.download_dir)
+        name = model_display_name(args.model)
     elif args.model is not None:
         raise ValueError("give --model or the model by numbers (--layers ...), not both")
     else:
