@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.block_hash import get_hash_function
+from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.metrics.prefix_report import block_hashes
 from pagedllm.request import Request
 
 from .conftest import TEST_ENGINE_ARGS
@@ -68,7 +67,7 @@ def test_corrupted_and_foreign_files_are_refused(tmp_path, llm, caplog):
     first.llm_engine.close()
     store_dir = first.llm_engine.kv_offload.directory
     ids = llm.get_tokenizer()(PROMPT).input_ids
-    first_block = store_dir / f"{block_hashes(ids, 16, get_hash_function('sha256'))[0].hex()}.kv"
+    first_block = store_dir / f"{extend_hashes([], ids, 16, get_hash_function('sha256'))[0].hex()}.kv"
     other = engine(tmp_path, block_size=32)  # another fingerprint: its own subdirectory
     run(other)
     other.llm_engine.close()

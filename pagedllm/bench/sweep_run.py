@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 
+from pagedllm.bench.arrivals import arrival_times
 from pagedllm.bench.workload import load_requests
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -28,11 +28,7 @@ def main() -> None:
         engine.step()
     engine.reset_prefix_cache()
 
-    rng = random.Random(0)
-    arrivals, clock = [], 0.0
-    for _ in requests:  # Poisson: exponential gaps; inf: everything at t=0
-        arrivals.append(clock)
-        clock += 0.0 if args.request_rate == float("inf") else rng.expovariate(args.request_rate)
+    arrivals = arrival_times(len(requests), args.request_rate)  # Poisson; inf: everything at t=0
     start = time.monotonic()
     outputs, peak_usage, next_request = {}, 0.0, 0
     while next_request < len(requests) or engine.has_unfinished_requests():

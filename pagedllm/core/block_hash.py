@@ -52,13 +52,22 @@ def hash_block_tokens(
 
 def extend_block_hashes(request: Request, block_size: int, hash_fn: HashFunction) -> None:
     """Hash every block of `request` that is full and not hashed yet."""
-    num_full_blocks = request.num_tokens // block_size
-    hashes = request.block_hashes
-    while len(hashes) < num_full_blocks:
+    extend_hashes(request.block_hashes, request.all_token_ids, block_size, hash_fn, request.cache_salt)
+
+
+def extend_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_fn: HashFunction,
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """Append to `hashes` the chained hashes of the full blocks of `token_ids` it lacks (the salt
+    goes into the first block's); returns `hashes`."""
+    while len(hashes) < len(token_ids) // block_size:
         index = len(hashes)
         start = index * block_size
         parent = hashes[-1] if hashes else None
-        salt = request.cache_salt if index == 0 else None
-        hashes.append(
-            hash_block_tokens(hash_fn, parent, request.all_token_ids[start : start + block_size], salt)
-        )
+        salt = cache_salt if index == 0 else None
+        hashes.append(hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], salt))
+    return hashes

@@ -43,9 +43,11 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.disk = disk if enable_caching else None
         if self.disk is not None:
-            self.block_pool.on_evict = self.disk.save
+            self.block_pool.on_evict = self._on_evict
         self.num_disk_hit_blocks = 0
         """Blocks a lookup brought back from the disk tier."""
+        self._from_disk: set[int] = set()
+        """Blocks brought back from disk that no admitted request has taken yet."""
         self._hash_fn = get_hash_function(hash_algo)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the hash map.
@@ -102,7 +104,19 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(loaded))  # the chain's tail is evicted first
             self.block_pool.free_blocks(reversed(hits))
         self.num_disk_hit_blocks += len(loaded)
+        self._from_disk.update(block.block_id for block in loaded)
         return loaded
+
+    def take_disk_hits(self, blocks: list[KVCacheBlock]) -> int:
+        """How many of an admitted request's hit blocks came from the disk tier (counted once)."""
+        taken = [block.block_id for block in blocks if block.block_id in self._from_disk]
+        self._from_disk.difference_update(taken)
+        return len(taken)
+
+    def _on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        assert self.disk is not None
+        self._from_disk.discard(block_id)
+        self.disk.save(block_id, block_hash)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

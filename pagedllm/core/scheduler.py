@@ -57,6 +57,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.divergence = divergence
+        self.num_disk_hit_tokens = 0
+        """Prefix-hit tokens of admitted requests that the disk tier supplied (part of the hits)."""
         self.requests: dict[str, Request] = {}
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.running: list[Request] = []
@@ -154,7 +156,7 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # the pool is full: keep arrival order, try again next step
             del self.waiting[request.req_id]
-            self._admit(request, num_hit_tokens)
+            self._admit(request, num_hit_tokens, self.kv_cache_manager.take_disk_hits(computed_blocks))
             scheduled.append(self._scheduled_request(request, num_new))
             token_budget -= num_new
         return token_budget
@@ -174,16 +176,18 @@ class Scheduler:
                 best = (request, blocks, num_hit)
         assert best is not None
         self._head_skips = 0 if best[0] is head else self._head_skips + 1
-        # looked up again: a later candidate's lookup may have taken blocks from the disk tier,
-        # evicting free cached blocks this one had found
-        return (best[0], *self._cached_prefix(best[0]))
+        if self.kv_cache_manager.disk is not None:
+            # looked up again: a later candidate's lookup may have taken blocks from the disk
+            # tier, evicting free cached blocks this one had found
+            return (best[0], *self._cached_prefix(best[0]))
+        return best
 
     def _cached_prefix(self, request: Request):
         if request.sampling_params.prompt_logprobs is not None:
             return [], 0  # every prompt position must be scored by the model
         return self.kv_cache_manager.get_computed_blocks(request)
 
-    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+    def _admit(self, request: Request, num_hit_tokens: int, num_disk_hit_blocks: int = 0) -> None:
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
@@ -195,6 +199,7 @@ class Scheduler:
         request.metrics.first_scheduled_time = time.monotonic()
         if self.kv_cache_manager.enable_caching:
             self.prefix_cache_stats.record(request.user, request.num_prompt_tokens, num_hit_tokens)
+            self.num_disk_hit_tokens += num_disk_hit_blocks * self.kv_cache_manager.block_size
             if self.divergence is not None:
                 self.divergence.observe(request.prompt_token_ids, request.block_hashes)
 
@@ -335,6 +340,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generation_tokens=self.num_generation_tokens,
-            num_disk_hit_tokens=self.kv_cache_manager.num_disk_hit_blocks * self.kv_cache_manager.block_size,
+            num_disk_hit_tokens=self.num_disk_hit_tokens,
             prefix_cache=self.prefix_cache_stats,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedllm.core.block_hash import get_hash_function, hash_block_tokens
+from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.metrics.divergence import DivergenceFinder, DivergenceGroup
 
 
@@ -35,39 +35,36 @@ def analyze_prompts(
 ) -> PrefixReport:
     hash_fn = get_hash_function(hash_algo)
     finder = DivergenceFinder(block_size, decode, max_tokens=sum(len(p) for p in prompts) + 1)
-    ids: list[int | None] = [finder.observe(p, block_hashes(p, block_size, hash_fn)) for p in prompts]
+    hashes = [extend_hashes([], p, block_size, hash_fn) for p in prompts]
+    ids = [finder.observe(p, h) for p, h in zip(prompts, hashes, strict=True)]
     divergences = finder.analyse()
-    moved = []
-    for prompt, prompt_id in zip(prompts, ids, strict=True):
+    moved, moved_hashes = [], []
+    for prompt, prompt_hashes, prompt_id in zip(prompts, hashes, ids, strict=True):
         div = divergences.get(prompt_id) if prompt_id is not None else None
         if div is None:
-            moved.append(list(prompt))
+            moved.append(prompt)
+            moved_hashes.append(prompt_hashes)
         else:  # the shared text after the span comes forward; the span goes last
             moved.append([*prompt[: div.start], *prompt[div.end :], *prompt[div.start : div.end]])
+            moved_hashes.append(extend_hashes([], moved[-1], block_size, hash_fn))
     return PrefixReport(
         num_prompts=len(prompts),
         prompt_tokens=sum(len(p) for p in prompts),
         groups=finder.report(top),
-        hit_rate=replay_hit_rate(prompts, block_size, hash_fn),
-        hit_rate_moved=replay_hit_rate(moved, block_size, hash_fn),
+        hit_rate=replay_hit_rate(prompts, hashes, block_size),
+        hit_rate_moved=replay_hit_rate(moved, moved_hashes, block_size),
         num_moved=len(divergences),
     )
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, hash_fn) -> list[bytes]:
-    parent, hashes = None, []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block_tokens(hash_fn, parent, list(tokens[start : start + block_size]))
-        hashes.append(parent)
-    return hashes
-
-
-def replay_hit_rate(prompts: Sequence[Sequence[int]], block_size: int, hash_fn) -> float:
-    """Prompt tokens found in an unbounded prefix cache fed with the prompts in order."""
+def replay_hit_rate(
+    prompts: Sequence[Sequence[int]], block_hashes: Sequence[list[bytes]], block_size: int
+) -> float:
+    """Prompt tokens found in an unbounded prefix cache fed with the prompts (and their chained
+    block hashes) in order."""
     seen: set[bytes] = set()
     hits = total = 0
-    for tokens in prompts:
-        hashes = block_hashes(tokens, block_size, hash_fn)
+    for tokens, hashes in zip(prompts, block_hashes, strict=True):
         hit_blocks = 0
         while hit_blocks < min(len(hashes), (len(tokens) - 1) // block_size) and hashes[hit_blocks] in seen:
             hit_blocks += 1

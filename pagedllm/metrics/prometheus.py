@@ -229,7 +229,7 @@ class PrometheusMetrics:
         self.prefix_cache_queries.inc(new.queries)
         self.prefix_cache_hits.inc(new.hits)
         self.prompt_tokens_cached_by_source["disk"].inc(new.disk_hits)
-        self.prompt_tokens_cached_by_source["device"].inc(max(0, new.hits - new.disk_hits))
+        self.prompt_tokens_cached_by_source["device"].inc(new.hits - new.disk_hits)
         self.num_preemptions.inc(new.preemptions)
         self.generation_tokens.inc(new.generation_tokens)
         if new.prompt_tokens_computed + new.generation_tokens:  # a step ran (one per loop turn)

@@ -86,5 +86,5 @@ class SchedulerStats:
     preemption did)."""
     num_generation_tokens: int = 0
     num_disk_hit_tokens: int = 0
-    """Prefix-cache hit tokens a lookup brought back from the disk tier (--kv-offload-dir)."""
+    """Of the prefix-cache hit tokens, those the disk tier (--kv-offload-dir) supplied."""
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)

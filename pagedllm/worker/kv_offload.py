@@ -64,7 +64,7 @@ class DiskKVStore:
         # (hash, payload) to write, an Event to set once everything before it is written, None: stop
         self._writes: queue.SimpleQueue[tuple[bytes, bytes] | threading.Event | None] = queue.SimpleQueue()
         self._pending: set[bytes] = set()  # queued, not yet on disk
-        self.num_loaded = self.num_saved = self.num_refused = 0
+        self.num_refused = 0
         self._index()
         self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-offload", daemon=True)
         self._writer.start()
@@ -100,7 +100,6 @@ class DiskKVStore:
         if payload is None:
             return False
         self._copy_in(block_id, payload)
-        self.num_loaded += 1
         return True
 
     def flush(self) -> None:
@@ -211,7 +210,6 @@ class DiskKVStore:
         with self._lock:
             self._files[block_hash] = len(data)
             self._num_bytes += len(data)
-            self.num_saved += 1
             victims = []
             while self._num_bytes > self.max_bytes and self._files:
                 victim, size = self._files.popitem(last=False)
