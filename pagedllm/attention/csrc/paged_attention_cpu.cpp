@@ -64,7 +64,7 @@
 namespace {
 
 constexpr int64_t kLanes = 8;  // one AVX2 register of floats; head_dim is a multiple of it
-constexpr int64_t kPrefetchRows = 16;  // how far ahead rows are fetched: a request's blocks lie
+constexpr int64_t kPrefetchRows = 48;  // how far ahead rows are fetched: a request's blocks lie
                                        // anywhere in the cache, so the hardware cannot guess them
 
 // Ask for a cache row (up to 256 bytes: 64 bfloat16 or float32 values) before it is needed.
@@ -136,6 +136,7 @@ inline float softmax_numerators(float* x, int64_t n) {
 
 // A float32 cache row is read where it lies.
 struct FloatRow {
+  static int64_t bytes(int64_t head_dim) { return head_dim * 4; }
   static const float* values(const uint8_t* row, int64_t /*head_dim*/, float* /*buffer*/) {
     return reinterpret_cast<const float*>(row);
   }
@@ -153,6 +154,7 @@ struct FloatRow {
 // A 16-bit float row (bfloat16 or float16), widened to float32 as it is read.
 template <typename T>
 struct HalfWidthRow {
+  static int64_t bytes(int64_t head_dim) { return head_dim * 2; }
   static const float* values(const uint8_t* row, int64_t head_dim, float* buffer) {
     const T* x = reinterpret_cast<const T*>(row);
     for (int64_t d = 0; d < head_dim; ++d) buffer[d] = static_cast<float>(x[d]);
@@ -210,6 +212,7 @@ struct QuantizedRow {
       return kFloat8Values<T>[byte];
     }
   }
+  static int64_t bytes(int64_t head_dim) { return head_dim + 2; }
   static const float* values(const uint8_t* row, int64_t head_dim, float* buffer) {
     for (int64_t d = 0; d < head_dim; ++d) buffer[d] = widen(row[d]);
     return buffer;
@@ -275,6 +278,7 @@ void weighted_sum(const float* const* weights, const uint8_t* const* rows, int64
     __m256 acc[Group];
     for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_loadu_ps(acc_rows[g] + d);
     for (int64_t t = 0; t < len; ++t) {
+      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim));
       const __m256 x = Row::load8(rows[t], d);
       for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), x, acc[g]);
     }
@@ -337,6 +341,7 @@ void weighted_sum_avx512(const float* const* weights, const uint8_t* const* rows
     for (int64_t g = 0; g < Group; ++g)
       for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(acc_rows[g] + d + 16 * c);
     for (int64_t t = 0; t < len; ++t) {
+      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim));
       __m512 x[4];
       for (int64_t c = 0; c < 4; ++c) x[c] = Row::load16(rows[t], d + 16 * c);
       for (int64_t g = 0; g < Group; ++g) {
@@ -367,6 +372,7 @@ void widen_rows(const uint8_t* const* rows, int64_t n, int64_t head_dim, std::ve
   buffer.resize(n * head_dim);
   out.resize(n);
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], Row::bytes(head_dim));
     float* dst = buffer.data() + i * head_dim;
     for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, Row::load16(rows[i], d));
     out[i] = reinterpret_cast<const uint8_t*>(dst);
@@ -411,6 +417,7 @@ inline void dot8_bf16(const uint16_t* const* queries, const uint8_t* const* rows
 template <int64_t Group>
 void weighted_sum_bf16(const uint32_t* const* weight_pairs, const uint8_t* const* rows, int64_t len,
                        int64_t head_dim, float* const* acc_rows) {
+  for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row(rows[t], 2 * head_dim);
   for (int64_t d = 0; d < head_dim; d += 64) {
     __m512 acc[Group][4];
     for (int64_t g = 0; g < Group; ++g)
@@ -671,6 +678,7 @@ struct Attend {
 #if PAGEDLLM_AVX512BF16
     if constexpr (std::is_same_v<Row, BFloat16PairRow>) {
       const __m256 scales = _mm256_set1_ps(scale);
+      for (int64_t i = 0; i < std::min(padded, kPrefetchRows); ++i) prefetch_row(w.k_rows[i], row_bytes);
       for (int64_t t = 0; t < padded; t += kLanes) {
         for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + kLanes); ++i)
           prefetch_row(w.k_rows[i], row_bytes);
@@ -707,6 +715,9 @@ struct Attend {
     }
 #endif
     for (int64_t t = 0; t < padded; t += kLanes) {
+      if (!widened)
+        for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + kLanes); ++i)
+          prefetch_row(rows[i], Row::bytes(head_dim));
       const __m256 scales = _mm256_loadu_ps(w.row_scales.data() + t);
       for (int64_t q : ids) {
         if (begin + t >= w.lens[q]) continue;  // keys past this query's own
