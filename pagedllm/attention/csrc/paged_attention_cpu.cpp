@@ -390,23 +390,75 @@ inline __m512bh as_bf16x32(__m512i x) {
 
 inline __m512bh load_bf16x32(const void* p) { return as_bf16x32(_mm512_loadu_si512(p)); }
 
-// Scores of Q bfloat16 queries against 8 bfloat16 rows: 32 products per dpbf16ps, 8 x Q float32
-// accumulators in registers, each row chunk loaded once for the Q queries; each (query, row)
-// sum runs over head_dim in the same order whatever Q is, then sum_lanes8.
+// exp_nonpositive, 16 lanes at a time: the same clamp, rounding and polynomial.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 round = _mm512_set1_ps(12582912.f);
+  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
+}
+
+// 16 rows of 16 int32 each, transposed in registers: r[c] then holds element c of every row.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // in each 128-bit block b: elements 4b, 4b+1 / 4b+2, 4b+3 of 2 rows
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], block b: element 4b + j of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  __m512i out[16];
+  for (int j = 0; j < 4; ++j) {  // the 128-bit blocks of r[j], r[4 + j], r[8 + j], r[12 + j], transposed
+    const __m512i e = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), f = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i g = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), h = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    out[j] = _mm512_shuffle_i32x4(e, g, 0x88);
+    out[4 + j] = _mm512_shuffle_i32x4(e, g, 0xDD);
+    out[8 + j] = _mm512_shuffle_i32x4(f, h, 0x88);
+    out[12 + j] = _mm512_shuffle_i32x4(f, h, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = out[i];
+}
+
+// 16 bfloat16 rows as pairs, key-minor: tile[p * 16 + k] holds values 2p and 2p + 1 of row k, so
+// one load gives a pair of dimensions for 16 keys, and scores need no sum across lanes.
+inline void transpose_rows16(const uint8_t* const* rows, int64_t head_dim, uint32_t* tile) {
+  for (int64_t c = 0; c < head_dim / 32; ++c) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + 64 * c);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + (16 * c + i) * 16, r[i]);
+  }
+}
+
+// Scores of Q bfloat16 queries against 16 keys (a transposed tile), one key per lane: the
+// query's pair p broadcast, one dpbf16ps per pair into 4 chains (p mod 4), summed as
+// (c0 + c1) + (c2 + c3). Each (query, key) score is the same whatever Q, lane or tile it is in.
 template <int Q>
-inline void dot8_bf16(const uint16_t* const* queries, const uint8_t* const* rows, int64_t head_dim, __m256* out) {
-  __m512 acc[Q][kLanes];
+inline void scores16_bf16(const uint32_t* const* query_pairs, const uint32_t* tile, int64_t num_pairs, __m512* out) {
+  __m512 acc[Q][4];
   for (int j = 0; j < Q; ++j)
-    for (int64_t i = 0; i < kLanes; ++i) acc[j][i] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 32) {
-    __m512bh q[Q];
-    for (int j = 0; j < Q; ++j) q[j] = load_bf16x32(queries[j] + d);
-    for (int64_t i = 0; i < kLanes; ++i) {
-      const __m512bh k = load_bf16x32(rows[i] + 2 * d);
-      for (int j = 0; j < Q; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], q[j], k);
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_pairs; p += 4) {
+    for (int c = 0; c < 4; ++c) {
+      const __m512bh k = as_bf16x32(_mm512_loadu_si512(tile + (p + c) * 16));
+      for (int j = 0; j < Q; ++j)
+        acc[j][c] = _mm512_dpbf16_ps(acc[j][c], as_bf16x32(_mm512_set1_epi32(static_cast<int32_t>(query_pairs[j][p + c]))), k);
     }
   }
-  for (int j = 0; j < Q; ++j) out[j] = sum_lanes8(acc[j]);
+  for (int j = 0; j < Q; ++j) out[j] = _mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]), _mm512_add_ps(acc[j][2], acc[j][3]));
 }
 
 // acc[g] += sum_t weights[g][t] * rows[t] for Group <= 4 queries, rows taken in pairs (t, t + 1):
@@ -513,7 +565,8 @@ struct Attend {
     std::vector<const float*> queries, weights;
     std::vector<const uint16_t*> queries_bf16;  // BFloat16PairRow: the queries where they lie
     std::vector<uint16_t> weights_bf16;  // BFloat16PairRow: the softmax weights, rounded
-    std::vector<const uint32_t*> weight_pairs;
+    std::vector<const uint32_t*> weight_pairs, query_pairs;
+    std::vector<uint32_t> tile;
     std::vector<int64_t> active;
     std::vector<float*> acc_rows;
     std::vector<const uint8_t*> k_rows, v_rows, k_wide, v_wide;
@@ -552,8 +605,8 @@ struct Attend {
                                              : static_cast<float>(static_cast<const c10::Half*>(query)[offset + d]);
       w.queries.push_back(dst);
     }
-    const int64_t stride = (max_len + kLanes - 1) / kLanes * kLanes + kLanes;  // room for a last dot8
-    w.scores.assign(num_queries * stride, 0.f);
+    const int64_t stride = (max_len + 15) / 16 * 16 + 16;  // room for a last dot8 or 16-key tile
+    w.scores.resize(num_queries * stride);  // every key up to a query's length is scored; past it, zeroed below
     w.accs.assign(num_queries * head_dim, 0.f);
     w.row_buffer.resize(head_dim);
     segment(max_len, w);
@@ -562,12 +615,15 @@ struct Attend {
       score_block(seg.ids, seg.begin, seg.end, w, stride);
     }
     w.inv_sums.resize(num_queries);
-    for (int64_t q = 0; q < num_queries; ++q) {
-      float* s = w.scores.data() + q * stride;
-      w.inv_sums[q] = 1.f / softmax_numerators(s, w.lens[q]);
-      std::fill(s + w.lens[q], s + stride, 0.f);  // no weight past the query's own keys
+    if constexpr (std::is_same_v<Row, BFloat16PairRow>) {
+      softmax_to_bf16(num_queries, stride, w);
+    } else {
+      for (int64_t q = 0; q < num_queries; ++q) {
+        float* s = w.scores.data() + q * stride;
+        w.inv_sums[q] = 1.f / softmax_numerators(s, w.lens[q]);
+        std::fill(s + w.lens[q], s + stride, 0.f);  // no weight past the query's own keys
+      }
     }
-    if constexpr (std::is_same_v<Row, BFloat16PairRow>) round_weights(num_queries, stride, w);
     for (const Segment& seg : w.segments) {  // in key order: each query's sum continues in order
       segment_rows(kv_head, seg, w);
       sum_block(seg.ids, seg.begin, seg.end, w, stride);
@@ -635,13 +691,40 @@ struct Attend {
     }
   }
 
-  // The softmax numerators rounded to bfloat16 (round to nearest even), for weighted_sum_bf16.
-  static void round_weights(int64_t num_queries, int64_t stride, Work& w) {
+  // BFloat16PairRow: each query's softmax numerators, 16 at a time, rounded to bfloat16 (nearest
+  // even) for weighted_sum_bf16, zero past its keys; 1 / their sum in inv_sums (NaN, with zero
+  // weights, when a score is NaN or infinite, as SDPA gives it).
+  static void softmax_to_bf16(int64_t num_queries, int64_t stride, Work& w) {
 #if PAGEDLLM_AVX512BF16
     w.weights_bf16.resize(num_queries * stride);
-    for (int64_t i = 0; i < num_queries * stride; i += kLanes) {  // stride is a multiple of 8
-      const __m128bh rounded = _mm256_cvtneps_pbh(_mm256_loadu_ps(w.scores.data() + i));
-      std::memcpy(w.weights_bf16.data() + i, &rounded, sizeof(rounded));
+    for (int64_t q = 0; q < num_queries; ++q) {
+      const float* x = w.scores.data() + q * stride;
+      uint16_t* out = w.weights_bf16.data() + q * stride;
+      const int64_t len = w.lens[q];
+      __m512 max16 = _mm512_set1_ps(x[0]), check = _mm512_setzero_ps();  // x - x: 0 when finite
+      for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 in = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(max16, in, x + t);
+        max16 = _mm512_max_ps(max16, v);
+        check = _mm512_add_ps(check, _mm512_sub_ps(v, v));
+      }
+      if (!(_mm512_reduce_add_ps(check) == 0.f)) {
+        std::fill(out, out + stride, uint16_t{0});
+        w.inv_sums[q] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const __m512 max_value = _mm512_set1_ps(_mm512_reduce_max_ps(max16));
+      __m512 sum = _mm512_setzero_ps();
+      int64_t t = 0;
+      for (; t < len; t += 16) {
+        const __mmask16 in = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(in, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + t), max_value)));
+        sum = _mm512_add_ps(sum, e);
+        const __m256bh rounded = _mm512_cvtneps_pbh(e);
+        std::memcpy(out + t, &rounded, sizeof(rounded));
+      }
+      std::fill(out + t, out + stride, uint16_t{0});
+      w.inv_sums[q] = 1.f / _mm512_reduce_add_ps(sum);
     }
 #else
     (void)num_queries, (void)stride, (void)w;
@@ -658,7 +741,8 @@ struct Attend {
   // it hold the same blocks there); k_rows padded to a multiple of 8 with its last row.
   void segment_rows(int64_t kv_head, const Segment& seg, Work& w) const {
     const int64_t token_stride = num_kv_heads * row_bytes, block_stride = block_size * token_stride;
-    const int64_t n = seg.end - seg.begin, padded = (n + kLanes - 1) / kLanes * kLanes;
+    const int64_t keys_at_once = std::is_same_v<Row, BFloat16PairRow> ? 16 : kLanes;
+    const int64_t n = seg.end - seg.begin, padded = (n + keys_at_once - 1) / keys_at_once * keys_at_once;
     const int64_t* table = block_tables + w.seqs[seg.ids[0]] * max_blocks;
     w.k_rows.resize(padded);
     w.v_rows.resize(n);
@@ -676,26 +760,35 @@ struct Attend {
   void score_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride) const {
     const int64_t padded = static_cast<int64_t>(w.k_rows.size());
 #if PAGEDLLM_AVX512BF16
-    if constexpr (std::is_same_v<Row, BFloat16PairRow>) {
-      const __m256 scales = _mm256_set1_ps(scale);
+    if constexpr (std::is_same_v<Row, BFloat16PairRow>) {  // 16 keys at a time, transposed once
+      const __m512 scales = _mm512_set1_ps(scale);
       for (int64_t i = 0; i < std::min(padded, kPrefetchRows); ++i) prefetch_row(w.k_rows[i], row_bytes);
-      for (int64_t t = 0; t < padded; t += kLanes) {
-        for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + kLanes); ++i)
+      w.tile.resize(head_dim * 8);
+      for (int64_t t = 0; t < padded; t += 16) {
+        for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + 16); ++i)
           prefetch_row(w.k_rows[i], row_bytes);
+        w.query_pairs.clear();
         w.active.clear();
         for (int64_t q : ids)
-          if (begin + t < w.lens[q]) w.active.push_back(q);  // keys past a query's own are skipped
+          if (begin + t < w.lens[q]) {  // keys past a query's own are skipped
+            w.active.push_back(q);
+            w.query_pairs.push_back(reinterpret_cast<const uint32_t*>(w.queries_bf16[q]));
+          }
+        if (w.active.empty()) continue;
+        transpose_rows16(w.k_rows.data() + t, head_dim, w.tile.data());
         const int64_t num_active = static_cast<int64_t>(w.active.size());
-        for (int64_t j = 0; j < num_active; j += 3) {
-          const int64_t count = std::min<int64_t>(3, num_active - j);
-          const uint16_t* queries[3];
-          for (int64_t c = 0; c < count; ++c) queries[c] = w.queries_bf16[w.active[j + c]];
-          __m256 dots[3];
-          if (count == 3) dot8_bf16<3>(queries, w.k_rows.data() + t, head_dim, dots);
-          else if (count == 2) dot8_bf16<2>(queries, w.k_rows.data() + t, head_dim, dots);
-          else dot8_bf16<1>(queries, w.k_rows.data() + t, head_dim, dots);
+        for (int64_t j = 0; j < num_active; j += 4) {
+          const int64_t count = std::min<int64_t>(4, num_active - j);
+          const uint32_t* const* queries = w.query_pairs.data() + j;
+          __m512 dots[4];
+          switch (count) {
+            case 1: scores16_bf16<1>(queries, w.tile.data(), head_dim / 2, dots); break;
+            case 2: scores16_bf16<2>(queries, w.tile.data(), head_dim / 2, dots); break;
+            case 3: scores16_bf16<3>(queries, w.tile.data(), head_dim / 2, dots); break;
+            default: scores16_bf16<4>(queries, w.tile.data(), head_dim / 2, dots);
+          }
           for (int64_t c = 0; c < count; ++c)
-            _mm256_storeu_ps(w.scores.data() + w.active[j + c] * stride + begin + t, _mm256_mul_ps(dots[c], scales));
+            _mm512_storeu_ps(w.scores.data() + w.active[j + c] * stride + begin + t, _mm512_mul_ps(dots[c], scales));
         }
       }
       return;
