@@ -238,3 +238,19 @@ def test_rotary_write_kv_equals_apply_rotary_and_write_kv(dtype):
     write_kv(caches[2], caches[3], qk[:, num_heads:], v, slots)
     assert torch.equal(q, qk[:, :num_heads])
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_equals_the_pytorch_ops(dtype):
+    """Hugging Face's act(gate) * up in the model dtype: within one rounding of it (the kernel's
+    exp and sigmoid differ from PyTorch's in the last float32 bits, which rounding mostly hides)."""
+    gen = torch.Generator().manual_seed(13)
+    gate_up = (torch.randn(23, 2 * 1536, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # saturated and zero gates
+    gate, up = gate_up.split(1536, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = cpu_kernel.silu_and_mul(gate_up)
+    assert got.dtype == dtype and got.shape == expected.shape
+    ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
+    assert ((got.float() - expected.float()).abs() <= 2 * ulp).all()
+    assert (got == expected).float().mean() > 0.99  # almost every value bit for bit

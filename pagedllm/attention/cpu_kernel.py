@@ -1,5 +1,5 @@
-"""The CPU kernels (csrc/: paged attention; for 16-bit models, residual add + RMSNorm and
-rotary + KV-cache write), compiled on first use into one library.
+"""The CPU kernels (csrc/: paged attention; for 16-bit models, residual add + RMSNorm, rotary +
+KV-cache write and SiLU-and-multiply), compiled on first use into one library.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
 CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
@@ -119,6 +119,12 @@ def add_rms_norm(
 
 def serves_rms_norm(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and is_built()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from a fused [num_tokens, 2 * intermediate] projection, in one pass, for a
+    16-bit model on CPU (check serves_rms_norm); rounded as Hugging Face's two ops round."""
+    return torch.ops.pagedllm.silu_and_mul(gate_up)
 
 
 def rotary_write_kv(

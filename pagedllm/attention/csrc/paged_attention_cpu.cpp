@@ -36,6 +36,8 @@
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -63,6 +65,8 @@
 
 namespace {
 
+using pagedllm_cpu::exp_nonpositive;
+
 constexpr int64_t kLanes = 8;  // one AVX2 register of floats; head_dim is a multiple of it
 constexpr int64_t kPrefetchRows = 48;  // how far ahead rows are fetched: a request's blocks lie
                                        // anywhere in the cache, so the hardware cannot guess them
@@ -84,24 +88,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline void add_scaled(float* acc, float weight, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += weight * x[i];
-}
-
-// exp(x) for the softmax's x - max <= 0: 2^k * p(r) with Cephes' expf polynomial (~1 ulp),
-// branch-free so loops over it vectorize. x is clamped above float's smallest normal, since a
-// subnormal weight would only slow every product it enters.
-inline float exp_nonpositive(float x) {
-  x = x > -87.f ? x : -87.f;
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and removing it rounds to an integer
-  const float k = (x * 1.44269504088896341f + kRound) - kRound;
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * c10::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
 }
 
 // Softmax numerators in place, exp(x - max(x)); returns their sum, or NaN when a score is
