@@ -374,8 +374,6 @@ inline __m512bh as_bf16x32(__m512i x) {
   return y;
 }
 
-inline __m512bh load_bf16x32(const void* p) { return as_bf16x32(_mm512_loadu_si512(p)); }
-
 // exp_nonpositive, 16 lanes at a time: the same clamp, rounding and polynomial.
 inline __m512 exp16_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
