@@ -49,7 +49,7 @@ def _random_case(seed: int, cache_dtype: str, num_seqs: int, group: int, head_di
     seed=st.integers(0, 2**31 - 1),
     num_seqs=st.integers(1, 9),
     group=st.sampled_from([1, 3, 4, 9]),  # 9: past the register-resident group sizes
-    head_dim=st.sampled_from([8, 64]),
+    head_dim=st.sampled_from([8, 64, 128]),
     block_size=st.sampled_from([1, 4, 16]),
 )
 def test_kernel_equals_gather_and_sdpa(cache_dtype, seed, num_seqs, group, head_dim, block_size):
@@ -131,7 +131,7 @@ def test_prefill_chunks_equal_causal_sdpa_over_the_gathered_context(cache_dtype,
         torch.testing.assert_close(got[starts[i] : starts[i + 1]], expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), cut=st.integers(1, 44), data=st.data())
