@@ -254,3 +254,17 @@ def test_silu_and_mul_equals_the_pytorch_ops(dtype):
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
     assert ((got.float() - expected.float()).abs() <= 2 * ulp).all()
     assert (got == expected).float().mean() > 0.99  # almost every value bit for bit
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 49157])
+def test_argmax_equals_torch_argmax_with_ties_infinities_and_nan(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen).round()  # rounded: many ties
+    logits[1] = -float("inf")  # all equal: index 0
+    logits[2, vocab // 2] = float("inf")
+    logits[3, vocab - 1] = float("nan")
+    logits[4, vocab // 3] = float("nan")
+    logits[4, (2 * vocab) // 3] = float("nan")
+    assert torch.equal(cpu_kernel.argmax(logits), logits.argmax(dim=-1))
+    half = logits[:, : max(1, vocab // 2)].contiguous()
+    assert torch.equal(cpu_kernel.argmax(half), half.argmax(dim=-1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.cpu_kernel import argmax
 from pagedllm.core.outputs import TokenLogprobs
 from pagedllm.worker.request_table import StepRequest
 
@@ -40,7 +41,7 @@ class Sampler:
         logits = _mask_until_min_tokens(logits, reqs)
 
         greedy = all(p.is_greedy for p in params)
-        tokens = logits.argmax(dim=-1) if greedy else self._sample(logits, reqs)
+        tokens = argmax(logits) if greedy else self._sample(logits, reqs)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, [None] * len(reqs)
@@ -68,7 +69,7 @@ class Sampler:
             if r.sampling_params.seed is not None:
                 noise[i].exponential_(generator=self._generator_for(r))
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(is_greedy, argmax(logits), sampled)
 
     def _generator_for(self, req: StepRequest) -> torch.Generator:
         generator = self._request_generators.get(req.req_id)
