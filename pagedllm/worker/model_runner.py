@@ -39,8 +39,12 @@ class ModelRunner:
         seed: int,
         max_num_reqs: int,
         max_model_len: int,
+        computes_logits: bool = True,
     ) -> None:
+        """`computes_logits`: False on tensor-parallel ranks other than 0, which run the forward
+        pass (its all-reduces need them) and leave logits and sampling to rank 0."""
         self.model = model
+        self.computes_logits = computes_logits
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -69,6 +73,8 @@ class ModelRunner:
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
         )
         output = ModelRunnerOutput(sampled_token_ids={})
+        if not self.computes_logits:
+            return output
         for request, first_row, num_rows in model_input.prompt_scoring:
             with _failing_alone(output, request.req_id):
                 output.prompt_logprobs[request.req_id] = self._score_prompt(

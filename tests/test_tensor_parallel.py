@@ -1,0 +1,128 @@
+"""Tensor parallelism on CPU (gloo): TP=2 gives TP=1's greedy tokens, token for token, through
+prefix hits and preemptions, with both executor backends; sizes that split no head are refused;
+a rank killed under a running server ends the server, non-zero, saying which rank and how."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.server_process import ServerProcess
+from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.loader import default_model_path
+
+# 4 heads / 2 KV heads (head_dim 64: the kernel's AVX-512 path), tied embeddings like SmolLM2.
+TINY_LLAMA = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": True,
+}
+# 40 blocks of 16 tokens for 8 requests of up to ~110 tokens: the scheduler must preempt.
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "num_gpu_blocks_override": 40,
+    "max_num_seqs": 8,
+    "disable_log_stats": True,
+}
+PROMPTS = [f"Story {i}: once upon a time there was a" + " very" * (i * 7) for i in range(8)]
+PROMPTS += [PROMPTS[3] + " and then", PROMPTS[5] + " but"]  # prefix hits on whole blocks
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-llama-4-heads")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA), dtype=torch.float32)
+    model.save_pretrained(folder)
+    for file in converted_folder(default_model_path()).glob("tokenizer*"):
+        shutil.copy(file, folder)
+    return str(folder)
+
+
+def generate(model: str, **engine_args) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens of PROMPTS, the preemptions and the prefix-cache hit tokens it took."""
+    llm = LLM(model, **ENGINE_ARGS, **engine_args)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    finally:
+        llm.llm_engine.close()
+    return [o.outputs[0].token_ids for o in outputs], stats.num_preemptions, stats.prefix_cache.hits
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_model) -> list[list[int]]:
+    tokens, num_preemptions, hits = generate(tiny_model)
+    assert num_preemptions > 0 and hits > 0, "the workload must preempt and hit the prefix cache"
+    assert all(len(set(t)) > 10 for t in tokens), "degenerate outputs would prove little"
+    return tokens
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_tp2_greedy_equals_tp1_token_for_token(tiny_model, tp1, backend):
+    tokens, num_preemptions, hits = generate(
+        tiny_model, tensor_parallel_size=2, distributed_executor_backend=backend
+    )
+    assert num_preemptions > 0 and hits > 0
+    for i, (ours, reference) in enumerate(zip(tokens, tp1, strict=True)):
+        assert ours == reference, f"prompt {i}: TP=2 ({backend}) departs from TP=1"
+
+
+def test_a_size_that_splits_heads_is_refused_saying_what_works():
+    # the default SmolLM2-135M: 9 attention heads, 3 KV heads
+    with pytest.raises(ValueError, match=r"2 does not divide this model's 9 attention heads.*: 1, 3$"):
+        LLM(dtype="float32", max_model_len=256, tensor_parallel_size=2)
+
+
+def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, tmp_path):
+    log = tmp_path / "server.log"
+    args = [
+        "--model",
+        tiny_model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--tensor-parallel-size",
+        "2",
+        "--disable-log-stats",
+    ]
+    server = ServerProcess(args, log_path=log)
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        body = {"model": tiny_model, "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        children = psutil.Process(server.proc.pid).children()
+        (rank_1,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
+        rank_1.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        status = server.proc.wait(timeout=30)  # idle: the monitor, not a step, must notice
+        elapsed = time.monotonic() - start
+    finally:
+        server.stop()
+    assert status == 1
+    assert elapsed < 10
+    text = log.read_text()
+    assert f"tensor-parallel rank 1 (process {rank_1.pid}) was killed by SIGKILL" in text
+    assert "The engine failed (WorkerDiedError" in text
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
