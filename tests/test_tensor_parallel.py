@@ -17,6 +17,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.server_process import ServerProcess
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
+from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
 
 # 4 heads / 2 KV heads (head_dim 64: the kernel's AVX-512 path), tied embeddings like SmolLM2.
 TINY_LLAMA = {
@@ -126,3 +127,23 @@ def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, 
     assert "The engine failed (WorkerDiedError" in text
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")
+
+
+def test_the_planner_reports_one_ranks_share():
+    # Llama-3-8B's shape: 8 KV heads over 2 ranks leave 4 per rank, so a rank's budget holds twice the tokens
+    shape = {"layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 8}
+    config = config_from_numbers(**shape, intermediate_size=14336, vocab_size=128256)
+    budget = MemoryBudget(kv_cache_memory_bytes=8 * 2**30)
+    one, two = (
+        plan_capacity(config, "8B", dtype="bfloat16", budget=budget, tensor_parallel_size=n) for n in (1, 2)
+    )
+    assert two.kv.spec.num_kv_heads == 4
+    assert two.kv.spec.bytes_per_token * 2 == one.kv.spec.bytes_per_token
+    assert two.kv.num_blocks == 2 * one.kv.num_blocks
+    embeddings = 2 * 128256 * 4096  # untied: embed_tokens and lm_head, whole on every rank
+    assert two.num_parameters == (one.num_parameters - embeddings - 4096 - 32 * 2 * 4096) // 2 + (
+        embeddings + 4096 + 32 * 2 * 4096
+    )
+    assert two.as_dict()["kv_cache_allocated_bytes_all_ranks"] == 2 * two.kv.allocated_bytes
+    with pytest.raises(ValueError, match="3 does not divide this model's 32 attention heads"):
+        plan_capacity(config, "8B", budget=budget, tensor_parallel_size=3)

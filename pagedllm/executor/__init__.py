@@ -26,7 +26,13 @@ def make_executor(config: EngineConfig, model_folder: Path, model_config: ModelC
 
         return UniProcExecutor(config, model_folder, model_config)
     if config.distributed_executor_backend == "ray":
-        from pagedllm.executor.ray_executor import RayDistributedExecutor
+        try:
+            from pagedllm.executor.ray_executor import RayDistributedExecutor
+        except ImportError as error:
+            raise ValueError(
+                f"distributed_executor_backend: ray needs the ray package ({error}); "
+                "pip install 'pagedllm[ray]', or use mp on one host"
+            ) from None
 
         return RayDistributedExecutor(config, model_folder, model_config)
     from pagedllm.executor.multiproc import MultiprocExecutor
