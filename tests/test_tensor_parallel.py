@@ -15,6 +15,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.server_process import ServerProcess
+from pagedllm.distributed import shm_all_reduce
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
 from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
@@ -59,30 +60,39 @@ def tiny_model(tmp_path_factory) -> str:
     return str(folder)
 
 
-def generate(model: str, **engine_args) -> tuple[list[list[int]], int, int]:
-    """Greedy tokens of PROMPTS, the preemptions and the prefix-cache hit tokens it took."""
+def generate(model: str, **engine_args) -> tuple[list[list[int]], int, int, str | None]:
+    """Greedy tokens of PROMPTS, the preemptions and the prefix-cache hit tokens it took, and
+    how rank 0 all-reduces (None with one rank)."""
     llm = LLM(model, **ENGINE_ARGS, **engine_args)
+    tp = llm.llm_engine.worker.tp
     try:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.llm_engine.get_stats()
     finally:
         llm.llm_engine.close()
-    return [o.outputs[0].token_ids for o in outputs], stats.num_preemptions, stats.prefix_cache.hits
+    all_reduce = None if tp is None else "gloo" if tp.shm is None else "shared memory"
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return tokens, stats.num_preemptions, stats.prefix_cache.hits, all_reduce
 
 
 @pytest.fixture(scope="module")
 def tp1(tiny_model) -> list[list[int]]:
-    tokens, num_preemptions, hits = generate(tiny_model)
+    tokens, num_preemptions, hits, _ = generate(tiny_model)
     assert num_preemptions > 0 and hits > 0, "the workload must preempt and hit the prefix cache"
     assert all(len(set(t)) > 10 for t in tokens), "degenerate outputs would prove little"
     return tokens
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
-def test_tp2_greedy_equals_tp1_token_for_token(tiny_model, tp1, backend):
-    tokens, num_preemptions, hits = generate(
+@pytest.mark.parametrize(
+    ("backend", "all_reduce"), [("mp", "shared memory"), ("mp", "gloo"), ("ray", "shared memory")]
+)
+def test_tp2_greedy_equals_tp1_token_for_token(tiny_model, tp1, backend, all_reduce, monkeypatch):
+    if all_reduce == "gloo":  # as across hosts: rank 0 (this process) offers no shared file
+        monkeypatch.setattr(shm_all_reduce, "is_supported", lambda: False)
+    tokens, num_preemptions, hits, used = generate(
         tiny_model, tensor_parallel_size=2, distributed_executor_backend=backend
     )
+    assert used == all_reduce
     assert num_preemptions > 0 and hits > 0
     for i, (ours, reference) in enumerate(zip(tokens, tp1, strict=True)):
         assert ours == reference, f"prompt {i}: TP=2 ({backend}) departs from TP=1"
@@ -94,7 +104,10 @@ def test_a_size_that_splits_heads_is_refused_saying_what_works():
         LLM(dtype="float32", max_model_len=256, tensor_parallel_size=2)
 
 
-def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, tmp_path):
+@pytest.mark.parametrize("when", ["idle", "mid-request"])
+def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, tmp_path, when):
+    """Idle, the monitor must notice (no step runs); mid-request, rank 0's all-reduce must stop
+    waiting for the dead peer. Either way the reason reaches the log."""
     log = tmp_path / "server.log"
     args = [
         "--model",
@@ -114,9 +127,19 @@ def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, 
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
         children = psutil.Process(server.proc.pid).children()
         (rank_1,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
-        rank_1.send_signal(signal.SIGKILL)
-        start = time.monotonic()
-        status = server.proc.wait(timeout=30)  # idle: the monitor, not a step, must notice
+        if when == "idle":
+            rank_1.send_signal(signal.SIGKILL)
+            start = time.monotonic()
+        else:
+            long = {**body, "max_tokens": 240, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as stream:
+                lines = stream.iter_lines()
+                next(lines)  # the first tokens are out: steps are running
+                rank_1.send_signal(signal.SIGKILL)
+                start = time.monotonic()
+                rest = "\n".join(lines)
+            assert '"error"' in rest and "the engine has stopped" in rest  # an error event, not a finish
+        status = server.proc.wait(timeout=30)
         elapsed = time.monotonic() - start
     finally:
         server.stop()

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.config import parse_cores
+from pagedllm.distributed import shm_all_reduce
+from pagedllm.distributed.shm_all_reduce import ShmAllReduce
 from pagedllm.model.config import ModelConfig
 
 STARTUP_TIMEOUT = datetime.timedelta(seconds=300)
@@ -42,6 +44,8 @@ class TPGroup:
     """The collectives of the forward pass."""
     control: dist.ProcessGroup
     """Step inputs and start-up agreement (gloo, CPU tensors)."""
+    shm: ShmAllReduce | None = None
+    """All ranks on one x86 host, on CPU: all-reduces through shared memory, not gloo."""
 
     @property
     def is_driver(self) -> bool:
@@ -50,6 +54,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -66,8 +72,11 @@ class TPGroup:
         return box[0]
 
 
-def init_tp_group(rank: int, world_size: int, address: str, port: int, device: torch.device) -> TPGroup:
-    """Join the group at address:port (rank 0 listens there); returns once all ranks have."""
+def init_tp_group(
+    rank: int, world_size: int, address: str, port: int, device: torch.device, all_reduce_bytes: int
+) -> TPGroup:
+    """Join the group at address:port (rank 0 listens there); returns once all ranks have.
+    `all_reduce_bytes`: the largest all-reduce the shared-memory path must take."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{address}:{port}",
@@ -77,7 +86,32 @@ def init_tp_group(rank: int, world_size: int, address: str, port: int, device: t
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
-    return TPGroup(rank, world_size, group, control)
+    shm = _open_shm(rank, world_size, port, all_reduce_bytes, control) if device.type == "cpu" else None
+    return TPGroup(rank, world_size, group, control, shm)
+
+
+def _open_shm(rank: int, world_size: int, port: int, max_bytes: int, control) -> ShmAllReduce | None:
+    """Rank 0 makes the shared file; if every rank sees it (one host), all map it and rank 0
+    unlinks it at once (the mappings keep it; nothing is left behind, even after a crash)."""
+    path = None
+    if rank == 0 and shm_all_reduce.is_supported():
+        path = f"/dev/shm/pagedllm-tp-{os.getpid()}-{port}"
+        with open(path, "wb") as f:
+            f.truncate(ShmAllReduce.file_bytes(world_size, max_bytes))
+    box = [path]
+    dist.broadcast_object_list(box, src=0, group=control)
+    path = box[0]
+    seen = [None] * world_size
+    mine = (path is not None and os.path.exists(path), os.getpid())
+    dist.all_gather_object(seen, mine, group=control)
+    shm = None
+    if all(sees for sees, _ in seen):
+        shm = ShmAllReduce(path, rank, world_size, max_bytes, COLLECTIVE_TIMEOUT.total_seconds())
+        shm.set_peer_pids([pid for _, pid in seen])
+    dist.barrier(group=control)
+    if rank == 0 and path is not None:
+        os.unlink(path)
+    return shm
 
 
 def destroy_tp_group() -> None:
@@ -109,15 +143,17 @@ def check_divides(config: ModelConfig, tp_size: int) -> None:
             )
 
 
-def rank_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int]:
-    """This rank's share of a host's cores: contiguous, as even as the count allows."""
-    if len(cores) < local_world_size:
-        return cores  # fewer cores than ranks: they share (slow, but it runs)
-    per_rank, extra = divmod(len(cores), local_world_size)
-    start = local_rank * per_rank + min(local_rank, extra)
-    return cores[start : start + per_rank + (local_rank < extra)]
+def rank_threads(num_cores: int, local_rank: int, local_world_size: int) -> int:
+    """This rank's share of its host's cores, as a thread count (as even as the count allows).
+
+    Ranks are not pinned to their cores: measured on 2 cores, a gloo all-reduce of a decode
+    step's [8, 512] takes 0.25 ms between unpinned ranks and 1.8 ms with each rank pinned to
+    its core (gloo's own threads then wait for the one core its rank keeps busy).
+    """
+    per_rank, extra = divmod(num_cores, local_world_size)
+    return max(1, per_rank + (local_rank < extra))
 
 
-def host_cores(cpu_cores: str | None) -> list[int]:
-    """The cores ranks on this host split: --cpu-cores, else those this process may use."""
-    return sorted(parse_cores(cpu_cores) if cpu_cores else os.sched_getaffinity(0))
+def host_cores(cpu_cores: str | None) -> int:
+    """How many cores ranks on this host split: --cpu-cores, else those this process may use."""
+    return len(parse_cores(cpu_cores) if cpu_cores else os.sched_getaffinity(0))

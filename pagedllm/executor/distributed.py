@@ -9,6 +9,7 @@ is idle, so the server turns unhealthy and exits instead of waiting for a step t
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
@@ -62,6 +63,7 @@ class DistributedExecutor(Executor):
         address = self._driver_address()
         port = free_port(address)
         local_world_size = self._launch(address, port)
+        atexit.register(self._at_exit)
         threading.Thread(target=self._monitor, name="pagedllm-rank-monitor", daemon=True).start()
         spec = RankSpec(0, self.tp_size, address, port, 0, local_world_size, cuda_index=0)
         try:
@@ -113,6 +115,11 @@ class DistributedExecutor(Executor):
                 logger.warning("Could not tell ranks 1.. to stop; ending them", exc_info=True)
         self._stop_ranks()
         destroy_tp_group()
+
+    def _at_exit(self) -> None:
+        """The interpreter ends without shutdown() (an offline script): ranks 1.. end with it
+        (multiprocessing ends daemon processes, Ray its actors), which is no failure to report."""
+        self._stopping = True
 
     def _failure_after(self, error: Exception) -> Exception:
         """What to raise for an error in a step or at start. A failed collective (RuntimeError)

@@ -15,7 +15,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import SchedulerOutput
-from pagedllm.distributed.parallel_state import destroy_tp_group, host_cores, init_tp_group, rank_cores
+from pagedllm.distributed.parallel_state import destroy_tp_group, host_cores, init_tp_group, rank_threads
 from pagedllm.logger import configure_logging
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import resolve_model_folder
@@ -53,13 +53,13 @@ def make_rank_worker(spec: RankSpec, config: EngineConfig, model_config: ModelCo
     device = resolve_device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(spec.cuda_index)
-    tp = init_tp_group(spec.rank, spec.world_size, spec.address, spec.port, device)
-    cores = (
-        rank_cores(host_cores(config.cpu_cores), spec.local_rank, spec.local_world_size)
-        if device.type == "cpu"
-        else None
-    )
-    worker = Worker(config, folder, model_config, tp, cores)
+    # an all-reduce is at most [token budget, hidden_size], float32 at most
+    all_reduce_bytes = config.token_budget * model_config.hidden_size * 4
+    tp = init_tp_group(spec.rank, spec.world_size, spec.address, spec.port, device, all_reduce_bytes)
+    if device.type == "cpu" and config.num_threads is None:  # --num-threads is per rank
+        threads = rank_threads(host_cores(config.cpu_cores), spec.local_rank, spec.local_world_size)
+        config = config.replace(num_threads=threads)
+    worker = Worker(config, folder, model_config, tp)
     assert config.max_model_len is not None  # the engine resolved it
     worker.load_model(max_position=config.max_model_len)
     worker.initialize_cache(worker.plan_kv_cache(config.max_model_len))

@@ -51,10 +51,8 @@ class Worker:
         model_folder: Path,
         model_config: ModelConfig,
         tp: TPGroup | None = None,
-        cores: list[int] | None = None,
     ) -> None:
-        """`tp`: this rank's group (None: one rank); `cores`: this rank's share of the host's
-        cores (None: --cpu-cores, or all this process may use)."""
+        """`tp`: this rank's group (None: one rank)."""
         self.config = config
         self.model_folder = model_folder
         self.model_config = model_config
@@ -65,8 +63,9 @@ class Worker:
         self.packed_copy_bytes = 0  # a tied lm_head's oneDNN copy, beside the embedding it shares
         self.runner: ModelRunner | None = None
         self.kv_cache_plan: KVCachePlan | None = None
-        cpu_cores = ",".join(map(str, cores)) if cores is not None else config.cpu_cores
-        self.cpu_threads = CPUThreads(config.num_threads, cpu_cores) if self.device.type == "cpu" else None
+        self.cpu_threads = (
+            CPUThreads(config.num_threads, config.cpu_cores) if self.device.type == "cpu" else None
+        )
 
     @property
     def weights_bytes(self) -> int:
