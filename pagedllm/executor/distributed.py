@@ -74,11 +74,15 @@ class DistributedExecutor(Executor):
             raise failure from error
         self.driver_worker = worker
         self.kv_cache_plan = worker.kv_cache_plan
+        assert worker.tp is not None
+        collective = "NCCL" if worker.device.type == "cuda" else "gloo"
         logger.info(
-            "Tensor parallelism: %d ranks (%s backend), rank 0 in this process, %d on this host",
+            "Tensor parallelism: %d ranks (%s backend), rank 0 in this process, %d on this host, "
+            "all-reduce through %s",
             self.tp_size,
             self.config.distributed_executor_backend,
             local_world_size,
+            "shared memory" if worker.tp.shm is not None else collective,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
