@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 
 import httpx
 import psutil
@@ -45,42 +46,71 @@ ENGINE_ARGS = {
 PROMPTS = [f"Story {i}: once upon a time there was a" + " very" * (i * 7) for i in range(8)]
 PROMPTS += [PROMPTS[3] + " and then", PROMPTS[5] + " but"]  # prefix hits on whole blocks
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+# logits of prompt rows and sampled rows, which a vocabulary-parallel LM head gathers from the ranks
+SCORED = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=3)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
+def write_tiny_model(folder, **changes) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    folder = tmp_path_factory.mktemp("tiny-llama-4-heads")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY_LLAMA, **changes}), dtype=torch.float32)
     model.save_pretrained(folder)
     for file in converted_folder(default_model_path()).glob("tokenizer*"):
         shutil.copy(file, folder)
     return str(folder)
 
 
-def generate(model: str, **engine_args) -> tuple[list[list[int]], int, int, str | None]:
-    """Greedy tokens of PROMPTS, the preemptions and the prefix-cache hit tokens it took, and
-    how rank 0 all-reduces (None with one rank)."""
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-4-heads"))
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    """Greedy tokens of PROMPTS."""
+    num_preemptions: int
+    prefix_hits: int
+    all_reduce: str | None
+    """How rank 0 all-reduced (None with one rank)."""
+    scored: list[tuple[int, float]]
+    """SCORED's prompt and sampled logprobs, as (token, logprob) in order."""
+
+
+def generate(model: str, **engine_args) -> Run:
     llm = LLM(model, **ENGINE_ARGS, **engine_args)
     tp = llm.llm_engine.worker.tp
     try:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.llm_engine.get_stats()
+        (scored,) = llm.generate(PROMPTS[:1], SCORED, use_tqdm=False)
     finally:
         llm.llm_engine.close()
-    all_reduce = None if tp is None else "gloo" if tp.shm is None else "shared memory"
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    return tokens, stats.num_preemptions, stats.prefix_cache.hits, all_reduce
+    positions = [p for p in scored.prompt_logprobs or [] if p is not None] + scored.outputs[0].logprobs
+    return Run(
+        tokens=[o.outputs[0].token_ids for o in outputs],
+        num_preemptions=stats.num_preemptions,
+        prefix_hits=stats.prefix_cache.hits,
+        all_reduce=None if tp is None else "gloo" if tp.shm is None else "shared memory",
+        scored=[(token, lp.logprob) for p in positions for token, lp in p.items()],
+    )
+
+
+def assert_same_output(ours: Run, reference: Run, label: str) -> None:
+    assert ours.num_preemptions > 0 and ours.prefix_hits > 0
+    for i, (a, b) in enumerate(zip(ours.tokens, reference.tokens, strict=True)):
+        assert a == b, f"prompt {i}: {label} departs from TP=1"
+    assert [t for t, _ in ours.scored] == [t for t, _ in reference.scored]
+    assert [lp for _, lp in ours.scored] == pytest.approx([lp for _, lp in reference.scored], abs=1e-4)
 
 
 @pytest.fixture(scope="module")
-def tp1(tiny_model) -> list[list[int]]:
-    tokens, num_preemptions, hits, _ = generate(tiny_model)
-    assert num_preemptions > 0 and hits > 0, "the workload must preempt and hit the prefix cache"
-    assert all(len(set(t)) > 10 for t in tokens), "degenerate outputs would prove little"
-    return tokens
+def tp1(tiny_model) -> Run:
+    run = generate(tiny_model)
+    assert run.num_preemptions > 0 and run.prefix_hits > 0, "the workload must preempt and hit the cache"
+    assert all(len(set(t)) > 10 for t in run.tokens), "degenerate outputs would prove little"
+    return run
 
 
 @pytest.mark.parametrize(
@@ -89,13 +119,14 @@ def tp1(tiny_model) -> list[list[int]]:
 def test_tp2_greedy_equals_tp1_token_for_token(tiny_model, tp1, backend, all_reduce, monkeypatch):
     if all_reduce == "gloo":  # as across hosts: rank 0 (this process) offers no shared file
         monkeypatch.setattr(shm_all_reduce, "is_supported", lambda: False)
-    tokens, num_preemptions, hits, used = generate(
-        tiny_model, tensor_parallel_size=2, distributed_executor_backend=backend
-    )
-    assert used == all_reduce
-    assert num_preemptions > 0 and hits > 0
-    for i, (ours, reference) in enumerate(zip(tokens, tp1, strict=True)):
-        assert ours == reference, f"prompt {i}: TP=2 ({backend}) departs from TP=1"
+    run = generate(tiny_model, tensor_parallel_size=2, distributed_executor_backend=backend)
+    assert run.all_reduce == all_reduce
+    assert_same_output(run, tp1, f"TP=2 ({backend}, {all_reduce})")
+
+
+def test_an_untied_lm_head_splits_by_vocabulary_too(tmp_path):
+    model = write_tiny_model(tmp_path, tie_word_embeddings=False)
+    assert_same_output(generate(model, tensor_parallel_size=2), generate(model), "TP=2, untied")
 
 
 def test_a_size_that_splits_heads_is_refused_saying_what_works():
@@ -163,10 +194,8 @@ def test_the_planner_reports_one_ranks_share():
     assert two.kv.spec.num_kv_heads == 4
     assert two.kv.spec.bytes_per_token * 2 == one.kv.spec.bytes_per_token
     assert two.kv.num_blocks == 2 * one.kv.num_blocks
-    embeddings = 2 * 128256 * 4096  # untied: embed_tokens and lm_head, whole on every rank
-    assert two.num_parameters == (one.num_parameters - embeddings - 4096 - 32 * 2 * 4096) // 2 + (
-        embeddings + 4096 + 32 * 2 * 4096
-    )
+    whole = 128256 * 4096 + 4096 + 32 * 2 * 4096  # embed_tokens and the norms, on every rank
+    assert two.num_parameters == (one.num_parameters - whole) // 2 + whole  # layers and lm_head split
     assert two.as_dict()["kv_cache_allocated_bytes_all_ranks"] == 2 * two.kv.allocated_bytes
     with pytest.raises(ValueError, match="3 does not divide this model's 32 attention heads"):
         plan_capacity(config, "8B", budget=budget, tensor_parallel_size=3)

@@ -59,6 +59,16 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's x side by side, [rows, world_size x columns]; others: None.
+        (A vocabulary-parallel LM head's logits, in vocabulary order.)"""
+        if self.shm is not None and self.shm.fits(x):
+            parts = self.shm.gather(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_driver else None
+            dist.gather(x, parts, dst=0, group=self.group)
+        return None if parts is None else torch.cat(parts, dim=1)
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's value (the KV cache blocks they all can hold)."""
         t = torch.tensor([value], dtype=torch.long)

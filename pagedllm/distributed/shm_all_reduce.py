@@ -63,16 +63,29 @@ class ShmAllReduce:
         return x.numel() * x.element_size() <= self.max_bytes and x.is_contiguous()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self._seq += 1
-        slots = self._data[self._seq & 1, :, : x.numel() * x.element_size()].view(x.dtype)
-        slots[self.rank].copy_(x.view(-1))
-        self._flags[self.rank] = self._seq  # after the data: x86 keeps the order
-        self._wait_for_all()
+        slots = self._publish(x)
         out = x.view(-1)
         out.copy_(slots[0])
         for rank in range(1, self.world_size):
             out.add_(slots[rank])
         return x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's x (views of the shared buffer: use them before the next call);
+        others: None. Every rank still waits for all, which keeps the buffers' turns safe."""
+        slots = self._publish(x)
+        if self.rank != 0:
+            return None
+        return [slots[rank].view(x.shape) for rank in range(self.world_size)]
+
+    def _publish(self, x: torch.Tensor) -> torch.Tensor:
+        """Copy x into this rank's slot, publish, wait for every rank; the slots [world, numel]."""
+        self._seq += 1
+        slots = self._data[self._seq & 1, :, : x.numel() * x.element_size()].view(x.dtype)
+        slots[self.rank].copy_(x.view(-1))
+        self._flags[self.rank] = self._seq  # after the data: x86 keeps the order
+        self._wait_for_all()
+        return slots
 
     def _wait_for_all(self) -> None:
         spins = 0

@@ -53,8 +53,13 @@ def make_rank_worker(spec: RankSpec, config: EngineConfig, model_config: ModelCo
     device = resolve_device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(spec.cuda_index)
-    # an all-reduce is at most [token budget, hidden_size], float32 at most
-    all_reduce_bytes = config.token_budget * model_config.hidden_size * 4
+    # float32 at most: an all-reduce of [token budget, hidden_size], or a decode step's logits
+    # [max_num_seqs, vocab / ranks] (longer prompt-logprob chunks go through gloo)
+    elements = max(
+        config.token_budget * model_config.hidden_size,
+        config.max_num_seqs * model_config.vocab_size // spec.world_size,
+    )
+    all_reduce_bytes = elements * 4
     tp = init_tp_group(spec.rank, spec.world_size, spec.address, spec.port, device, all_reduce_bytes)
     if device.type == "cpu" and config.num_threads is None:  # --num-threads is per rank
         threads = rank_threads(host_cores(config.cpu_cores), spec.local_rank, spec.local_world_size)

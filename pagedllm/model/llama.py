@@ -125,22 +125,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`tp`: this rank's group, or None for one rank. Embeddings, norms and the LM head are
-    replicated (only rank 0 computes logits: it samples); the layers' projections are split."""
+    """`tp`: this rank's group, or None for one rank. The layers' projections are split;
+    embeddings and norms are whole on every rank; the LM head is split by vocabulary rows where
+    the ranks divide the vocabulary (each rank computes its logits, rank 0 gathers them and
+    samples), else whole on every rank and computed by rank 0 alone."""
 
     def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
+        self.vocab_parallel = tp is not None and config.vocab_size % tp.world_size == 0
+        vocab_per_rank = config.vocab_size // tp.world_size if self.vocab_parallel else config.vocab_size
         self.rotary = RotaryEmbedding(config, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab_per_rank, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if self.vocab_parallel:
+            assert self.tp is not None
+            rows = self.lm_head.out_features
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.narrow(0, self.tp.rank * rows, rows))
+        else:
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_weights(self) -> int:
@@ -148,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
         adds: a tied lm_head gets its own packed copy, since the embedding lookup needs the plain one."""
         added = 0
         for module in self.modules():
-            if module is self.lm_head and self.tp is not None and not self.tp.is_driver:
+            computes_head = self.tp is None or self.tp.is_driver or self.vocab_parallel
+            if module is self.lm_head and not computes_head:
                 continue  # never computed here: rank 0 alone computes logits
             if isinstance(module, Linear):
                 shared = module is self.lm_head and self.config.tie_word_embeddings
@@ -174,10 +185,15 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         return hidden + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]; with a
+        vocabulary-parallel head every rank calls it and rank 0 alone gets them (others: None)."""
         normed, _ = self.norm(hidden)
-        return self.lm_head(normed).float()
+        logits = self.lm_head(normed).float()
+        if not self.vocab_parallel:
+            return logits
+        assert self.tp is not None
+        return self.tp.gather_columns(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive; with
@@ -189,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
             name, offset, split_dim = _our_name(hf_name, self.config)
             if name is None:
                 continue
+            if name == "lm_head.weight" and self.vocab_parallel:
+                split_dim = 0
             if self.tp is not None and split_dim is not None:
                 tensor = tensor.chunk(tp_size, split_dim)[self.tp.rank]
                 offset = None if offset is None else offset // tp_size  # within this rank's fused rows

@@ -23,7 +23,7 @@ from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogpr
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.structured_output.bitmask import apply_bitmask
-from pagedllm.worker.input_builder import build_model_input
+from pagedllm.worker.input_builder import ModelInput, build_model_input
 from pagedllm.worker.request_table import RequestTable, StepRequest
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class ModelRunner:
         )
         output = ModelRunnerOutput(sampled_token_ids={})
         if not self.computes_logits:
+            self._logits_for_rank_0(hidden, model_input)
             return output
         for request, first_row, num_rows in model_input.prompt_scoring:
             with _failing_alone(output, request.req_id):
@@ -82,6 +83,7 @@ class ModelRunner:
                 )
         if model_input.sampled:
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
+            assert logits is not None  # rank 0 gets the whole vocabulary
             grammar = scheduler_output.grammar_bitmask
             if grammar is not None:
                 output.failed.update(grammar.failed)
@@ -89,6 +91,16 @@ class ModelRunner:
                 apply_bitmask(logits, grammar, rows)
             self._sample(logits, model_input.sampled, output)
         return output
+
+    def _logits_for_rank_0(self, hidden: torch.Tensor, model_input: ModelInput) -> None:
+        """Tensor-parallel ranks but 0, with a vocabulary-parallel head: their share of every
+        logits rank 0 computes this step, in the same order (prompt scoring, then sampling)."""
+        if not self.model.vocab_parallel:
+            return
+        for _, first_row, num_rows in model_input.prompt_scoring:
+            self.model.compute_logits(hidden[first_row : first_row + num_rows])
+        if model_input.sampled:
+            self.model.compute_logits(hidden[model_input.logits_indices])
 
     def _sample(self, logits: torch.Tensor, reqs: list[StepRequest], output: ModelRunnerOutput) -> None:
         """Sample the batch at once; if that raises, each request alone, so only the ones at
@@ -120,6 +132,7 @@ class ModelRunner:
         start = request.num_computed_tokens + 1
         targets = torch.tensor(request.prompt_token_ids[start : start + num_rows], device=hidden.device)
         logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
+        assert logits is not None
         k = request.sampling_params.prompt_logprobs
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]
 
