@@ -39,12 +39,13 @@ class ModelRunner:
         seed: int,
         max_num_reqs: int,
         max_model_len: int,
-        computes_logits: bool = True,
+        samples: bool = True,
     ) -> None:
-        """`computes_logits`: False on tensor-parallel ranks other than 0, which run the forward
-        pass (its all-reduces need them) and leave logits and sampling to rank 0."""
+        """`samples`: False on tensor-parallel ranks other than 0, which run the forward pass
+        (its all-reduces need them) and leave sampling to rank 0 (with a vocabulary-parallel LM
+        head they compute their share of its logits)."""
         self.model = model
-        self.computes_logits = computes_logits
+        self.samples = samples
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -73,7 +74,7 @@ class ModelRunner:
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
         )
         output = ModelRunnerOutput(sampled_token_ids={})
-        if not self.computes_logits:
+        if not self.samples:
             self._logits_for_rank_0(hidden, model_input)
             return output
         for request, first_row, num_rows in model_input.prompt_scoring:

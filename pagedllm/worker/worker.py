@@ -116,7 +116,7 @@ class Worker:
             self.config.seed,
             max_num_reqs=self.config.max_num_seqs,
             max_model_len=plan.max_model_len,
-            computes_logits=self.tp is None or self.tp.is_driver,
+            samples=self.tp is None or self.tp.is_driver,
         )
         if self.runner.paged_kernel:
             logger.info("Attention: C++ kernel reading the paged KV cache in place (decodes and prefills)")
