@@ -368,7 +368,11 @@ class LLMEngine:
                 else ""
             ),
         )
-        logger.info("Available KV cache memory: %.2f GiB", plan.budget_bytes / 2**30)
+        logger.info(
+            "Available KV cache memory: %.2f GiB%s",
+            plan.budget_bytes / 2**30,
+            " per rank" if self.executor.tp_size > 1 else "",
+        )
         scales = plan.spec.scale_bytes_per_token
         logger.info(
             "KV cache: %s blocks of %d tokens, %s bytes per token (%s%s)",

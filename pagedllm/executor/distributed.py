@@ -14,11 +14,14 @@ import dataclasses
 import logging
 import threading
 from abc import abstractmethod
+from pathlib import Path
 
+from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import check_divides, destroy_tp_group, free_port
 from pagedllm.executor.abstract import Executor, FailureCallback, WorkerDiedError
 from pagedllm.executor.rank_main import RankSpec, StepInput, make_rank_worker
+from pagedllm.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +32,8 @@ DEATH_NOTICE_S = 5.0
 class DistributedExecutor(Executor):
     """Rank 0 in this process; the subclass launches ranks 1.. and says when one dies."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
+        super().__init__(config, model_folder, model_config)
         self._failure: WorkerDiedError | None = None
         self._died = threading.Event()
         self._on_failure: FailureCallback | None = None

@@ -7,16 +7,19 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
+from pagedllm.config import EngineConfig
 from pagedllm.executor.distributed import DistributedExecutor
 from pagedllm.executor.rank_main import RankSpec, run_rank
+from pagedllm.model.config import ModelConfig
 
 STOP_WAIT_S = 10.0
 
 
 class MultiprocExecutor(DistributedExecutor):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
+        super().__init__(config, model_folder, model_config)
         self._processes: list[BaseProcess] = []
 
     def _driver_address(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -21,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagedllm.config import EngineConfig
 from pagedllm.executor.distributed import DistributedExecutor
 from pagedllm.executor.rank_main import RankSpec, run_rank
+from pagedllm.model.config import ModelConfig
 from pagedllm.worker.worker import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -40,9 +42,9 @@ class _RankActor:
 
 
 class RayDistributedExecutor(DistributedExecutor):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._actors: list = []
+    def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
+        super().__init__(config, model_folder, model_config)
+        self._actors: list[ray.actor.ActorHandle] = []
         self._runs: list[ray.ObjectRef] = []
         self._placement = None
         self._started_ray = False
