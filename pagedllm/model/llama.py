@@ -157,8 +157,8 @@ class LlamaForCausalLM(nn.Module):
         """Pack every projection for oneDNN where that pays (linear.py). Returns the bytes this
         adds: a tied lm_head gets its own packed copy, since the embedding lookup needs the plain one."""
         added = 0
+        computes_head = self.tp is None or self.tp.is_driver or self.vocab_parallel
         for module in self.modules():
-            computes_head = self.tp is None or self.tp.is_driver or self.vocab_parallel
             if module is self.lm_head and not computes_head:
                 continue  # never computed here: rank 0 alone computes logits
             if isinstance(module, Linear):
