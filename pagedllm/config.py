@@ -19,6 +19,7 @@ KVCacheDType = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
 Device = Literal["auto", "cpu", "cuda"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 HashAlgo = Literal["sha256", "xxhash"]
+ExecutorBackend = Literal["mp", "ray"]
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3  # what vLLM's CPU backend takes when nothing is said
 
@@ -111,6 +112,22 @@ class EngineConfig:
     cpu_cores: str | None = field(
         default=None, metadata=_flag("CPU: pin the process to these cores, e.g. 0-3 or 0,2,4.")
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_flag(
+            "Ranks that split each layer's heads and MLP (collectives through torch.distributed: gloo "
+            "on CPU, NCCL on CUDA). Ranks on one host split its cores (or --cpu-cores); "
+            "--kv-cache-memory-bytes and --num-threads are per rank."
+        ),
+    )
+    distributed_executor_backend: ExecutorBackend = field(
+        default="mp",
+        metadata=_flag(
+            "With --tensor-parallel-size > 1: mp runs ranks 1.. as processes on this host; ray places "
+            "one actor per rank in the Ray cluster (ray start --head, then ray start --address=... on "
+            "other hosts), so a model can span hosts."
+        ),
+    )
     max_model_len: int | None = field(
         default=None,
         metadata=_flag("Longest prompt + output in tokens. Default: the model's own context length."),
@@ -125,7 +142,10 @@ class EngineConfig:
     )
     kv_cache_memory_bytes: int | str | None = field(
         default=None,
-        metadata=_flag("KV cache size on any device: bytes or 4GiB / 512MiB. On CPU the default is 4GiB."),
+        metadata=_flag(
+            "KV cache size on any device, per tensor-parallel rank: bytes or 4GiB / 512MiB. On CPU "
+            "the default is 4GiB."
+        ),
     )
     gpu_memory_utilization: float = field(
         default=0.9,
@@ -188,7 +208,7 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name}: {message}")
 
-        for name in ("dtype", "kv_cache_dtype", "device", "scheduling_policy", "prefix_caching_hash_algo"):
+        for name in _FIELD_TYPES:
             allowed = get_args(_FIELD_TYPES[name])
             need(getattr(self, name) in allowed, name, f"must be one of {', '.join(allowed)}")
         need(
@@ -204,6 +224,11 @@ class EngineConfig:
         )
         if self.cpu_cores is not None:
             parse_cores(self.cpu_cores)
+        need(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            f"must be >= 1, got {self.tensor_parallel_size}",
+        )
         need(
             self.max_model_len is None or self.max_model_len >= 1,
             "max_model_len",
@@ -242,6 +267,11 @@ class EngineConfig:
             "kv_offload_dir",
             "needs prefix caching (the disk tier keeps cached blocks)",
         )
+        need(
+            self.kv_offload_dir is None or self.tensor_parallel_size == 1,
+            "kv_offload_dir",
+            "the disk tier copies rank 0's KV blocks only; use it without --tensor-parallel-size",
+        )
         need(self.log_stats_interval > 0, "log_stats_interval", "must be > 0")
 
     @property
@@ -259,9 +289,11 @@ _FIELD_TYPES = {
     "device": Device,
     "scheduling_policy": SchedulingPolicy,
     "prefix_caching_hash_algo": HashAlgo,
+    "distributed_executor_backend": ExecutorBackend,
 }
 _INT_FIELDS = {
     "num_threads",
+    "tensor_parallel_size",
     "max_model_len",
     "block_size",
     "max_num_seqs",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from pagedllm.distributed.parallel_state import check_divides
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import gguf_hf_config
 from pagedllm.model.loader import locate_model, resolve_dtype
@@ -107,11 +108,14 @@ class CapacityPlan:
     dtype: str  # weights and activations
     budget: MemoryBudget
     kv: KVCachePlan
+    """One rank's cache (with tensor parallelism every rank holds the same blocks)."""
     what_if: list[KVCachePlan]  # max_model_len x KV cache dtype, max_model_len-major
+    tensor_parallel_size: int = 1
 
     @property
     def num_parameters(self) -> int:
-        return self.model_config.num_parameters()
+        """One rank's (all of them with one rank)."""
+        return self.model_config.num_parameters(self.tensor_parallel_size)
 
     @property
     def weights_bytes(self) -> int:
@@ -137,6 +141,8 @@ class CapacityPlan:
             else None,
             "overhead_bytes": self.budget.overhead_bytes,
             "kv_cache_memory_bytes": self.kv.budget_bytes,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "kv_cache_allocated_bytes_all_ranks": self.kv.allocated_bytes * self.tensor_parallel_size,
             **_kv_figures(self.kv),
             "what_if": [_kv_figures(p) for p in self.what_if],
         }
@@ -151,23 +157,27 @@ def plan_capacity(
     block_size: int = 16,
     max_model_len: int | None = None,
     budget: MemoryBudget | None = None,
+    tensor_parallel_size: int = 1,
 ) -> CapacityPlan:
-    """Blocks, tokens and concurrency for one setting, plus the what-if grid.
+    """Blocks, tokens and concurrency for one setting, plus the what-if grid. With tensor
+    parallelism the weights, the budget and the cache are one rank's, as the engine sizes them.
 
     `dtype` auto is what the engine would pick: bfloat16 on a GPU (a budget with device memory),
     on this CPU what the engine picks here. Raises ValueError where the engine would refuse to
     start for other reasons than fit (max_model_len over the model's, no memory left).
     """
+    check_divides(model_config, tensor_parallel_size)
     budget = budget or MemoryBudget()
     on_gpu = budget.device_memory_bytes is not None and budget.kv_cache_memory_bytes is None
     model_dtype = dtype if dtype != "auto" else _auto_dtype(on_gpu)
     model_max = model_config.resolve_max_model_len(None)
     served_len = model_config.resolve_max_model_len(max_model_len)  # ValueError as the engine's
-    weights = model_config.num_parameters() * _DTYPE_BYTES[model_dtype]
+    weights = model_config.num_parameters(tensor_parallel_size) * _DTYPE_BYTES[model_dtype]
     kv_bytes = budget.kv_cache_bytes(weights)
 
     def kv_plan(cache: str, length: int) -> KVCachePlan:
-        spec = KVCacheSpec.for_model(model_config, block_size, resolve_cache_dtype(cache, model_dtype))
+        cache_dtype = resolve_cache_dtype(cache, model_dtype)
+        spec = KVCacheSpec.for_model(model_config, block_size, cache_dtype, tensor_parallel_size)
         try:
             return plan_kv_cache(spec, kv_bytes, length)
         except ValueError:  # not one request fits: still worth showing how far off it is
@@ -181,6 +191,7 @@ def plan_capacity(
         budget=budget,
         kv=kv_plan(kv_cache_dtype, served_len),
         what_if=[kv_plan(cache, n) for n in lengths for cache in WHAT_IF_KV_CACHE_DTYPES],
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 

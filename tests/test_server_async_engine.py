@@ -40,6 +40,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
 
+    def set_failure_callback(self, on_failure) -> None:
+        pass  # one rank in this process: nothing dies apart from it
+
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_waiting_reqs=len(self.live))
 

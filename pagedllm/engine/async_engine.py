@@ -13,9 +13,10 @@ server renders and tokenizes them on a thread of its own, AsyncTokenizer), and a
 they are sent, so little but bookkeeping runs on the engine thread per request.
 
 Failures: a request that fails alone (its sampling or detokenization raised) gets
-RequestFailedError on its stream and the others go on. Anything else raised by a step leaves the
-engine's state unknown: the loop stops, every stream gets EngineUnavailableError, and the fatal
-callback tells the server to exit non-zero so a supervisor restarts it. The server builds the engine
+RequestFailedError on its stream and the others go on. Anything else raised by a step, or a
+tensor-parallel rank that dies (even while idle), leaves the engine's state unknown: the loop
+stops, every stream gets EngineUnavailableError, and the fatal callback tells the server to exit
+non-zero so a supervisor restarts it. The server builds the engine
 on that thread as well (`launch`), so every torch op of the process runs on one thread: with
 PyTorch's OpenMP pool, parallel ops ran ~40% slower on a thread started after another thread
 had made its own pool (measured here: 34 vs 57 tokens/s on the same steps). Outputs are cumulative, so a
@@ -342,8 +343,18 @@ class AsyncLLM:
             engine.abort_request(added)
             raise
 
+    def _rank_died(self, error: BaseException) -> None:
+        """A tensor-parallel rank died (called on the monitor's thread): the engine thread raises
+        `error` at its next turn, idle or not, and so stops as after any fatal error."""
+
+        def fail(engine: LLMEngine) -> None:
+            raise error
+
+        self._submit(_Command(fail))
+
     def _run(self) -> None:
         try:
+            self.engine.set_failure_callback(self._rank_died)
             while self._run_commands(block=not self.engine.has_unfinished_requests()):
                 outputs, self._pending_outputs = self._pending_outputs, []
                 if self.engine.has_unfinished_requests():

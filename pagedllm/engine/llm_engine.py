@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one step at a time, RequestOutputs out.
 
-    add_request -> Scheduler.schedule -> Worker.execute_model (runner -> model -> sampler)
+    add_request -> Scheduler.schedule -> Executor.execute_model (every rank: runner -> model;
+                   rank 0: -> sampler)
                 -> Scheduler.update_from_output -> OutputProcessor (text, stop strings)
 
 The offline LLM class and the server's engine loop both drive this object; it is not
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagedllm import limits
@@ -21,6 +22,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.executor import Executor, make_executor
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
@@ -31,7 +33,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import StructuredOutputBackend
 from pagedllm.tokenizer import load_tokenizer, workload_prompts
-from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
+from pagedllm.worker.kv_cache import KVCachePlan
 from pagedllm.worker.kv_offload import DiskKVStore, fingerprint
 from pagedllm.worker.worker import Worker
 
@@ -59,14 +61,12 @@ class LLMEngine:
         max_model_len = self._resolve_max_model_len(config, self.model_config)
         self.config = config.replace(max_model_len=max_model_len)
 
-        self.worker = Worker(self.config, folder, self.model_config)
-        self.worker.load_model(max_position=max_model_len)
-        cache_dtype = resolve_cache_dtype(self.config.kv_cache_dtype, str(self.worker.dtype).split(".")[-1])
-        spec = KVCacheSpec.for_model(self.model_config, self.config.block_size, cache_dtype)
-        self.kv_cache_plan = plan_kv_cache(
-            spec, self.worker.kv_cache_budget_bytes(), max_model_len, self.config.num_gpu_blocks_override
-        )
-        self.worker.initialize_cache(self.kv_cache_plan)
+        self.executor: Executor = make_executor(self.config, folder, self.model_config)
+        self.executor.start(max_model_len)
+        assert self.executor.driver_worker is not None and self.executor.kv_cache_plan is not None
+        self.worker: Worker = self.executor.driver_worker
+        """Rank 0's: the dtype, device and KV tensors (rank 0's share) the engine reports and reads."""
+        self.kv_cache_plan: KVCachePlan = self.executor.kv_cache_plan
         self._log_startup_report(time.monotonic() - start)
 
         self.kv_offload = self._open_kv_offload(folder) if self.config.kv_offload_dir else None
@@ -211,7 +211,7 @@ class LLMEngine:
         detokenization) ends with finish_reason "error" and the others go on; anything else raised
         here leaves the engine's state unknown, and the caller must stop using it."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.worker.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process(core_outputs)
         if processed.stopped:
@@ -240,7 +240,14 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """At a graceful shutdown: every cached block to the disk tier, so a restart starts warm."""
+        """At a graceful shutdown: every cached block to the disk tier, so a restart starts warm;
+        then the other tensor-parallel ranks stop."""
+        try:
+            self._save_kv_offload()
+        finally:
+            self.executor.shutdown()
+
+    def _save_kv_offload(self) -> None:
         if self.kv_offload is None:
             return
         cached = self.kv_cache_manager.block_pool.cached_block_hash_to_block
@@ -254,6 +261,11 @@ class LLMEngine:
             self.kv_offload.num_bytes / 2**30,
             self.kv_offload.directory,
         )
+
+    def set_failure_callback(self, on_failure: Callable[[BaseException], None]) -> None:
+        """`on_failure` is called, from another thread, if a tensor-parallel rank dies, even
+        while no step runs (a step in flight raises by itself)."""
+        self.executor.set_failure_callback(on_failure)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -343,10 +355,11 @@ class LLMEngine:
         plan: KVCachePlan = self.kv_cache_plan
         device = self.worker.device.type
         logger.info(
-            "Model %s loaded in %.1f s: weights take %.2f GiB (%s) on %s%s",
+            "Model %s loaded in %.1f s: weights take %.2f GiB%s (%s) on %s%s",
             self.model_name,
             load_seconds,
             self.worker.weights_bytes / 2**30,
+            f" on rank 0 of {self.executor.tp_size}" if self.executor.tp_size > 1 else "",
             str(self.worker.dtype).split(".")[-1],
             device,
             (
@@ -355,7 +368,11 @@ class LLMEngine:
                 else ""
             ),
         )
-        logger.info("Available KV cache memory: %.2f GiB", plan.budget_bytes / 2**30)
+        logger.info(
+            "Available KV cache memory: %.2f GiB%s",
+            plan.budget_bytes / 2**30,
+            " per rank" if self.executor.tp_size > 1 else "",
+        )
         scales = plan.spec.scale_bytes_per_token
         logger.info(
             "KV cache: %s blocks of %d tokens, %s bytes per token (%s%s)",
@@ -366,6 +383,18 @@ class LLMEngine:
             f", {scales:,} of them scales" if scales else "",
         )
         logger.info("%sKV cache size: %s tokens", "GPU " if device == "cuda" else "", f"{plan.num_tokens:,}")
+        if self.executor.tp_size > 1:
+            logger.info(
+                "KV cache per rank: %s tokens (%s blocks, %.2f GiB, %d of %d KV heads); "
+                "total over %d ranks: %.2f GiB",
+                f"{plan.num_tokens:,}",
+                f"{plan.num_blocks:,}",
+                plan.allocated_bytes / 2**30,
+                plan.spec.num_kv_heads,
+                self.model_config.num_key_value_heads,
+                self.executor.tp_size,
+                plan.allocated_bytes * self.executor.tp_size / 2**30,
+            )
         logger.info(
             "Maximum concurrency for %s tokens per request: %.2fx",
             f"{plan.max_model_len:,}",

@@ -92,14 +92,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        """Parameter count from the shapes alone (for planning without weights)."""
+    def num_parameters(self, tp_size: int = 1) -> int:
+        """Parameter count from the shapes alone (for planning without weights); with tensor
+        parallelism one rank's: the layers' projections split, embeddings and norms whole, an
+        untied LM head split where the ranks divide the vocabulary (a tied one is the embedding)."""
         h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        per_layer = (attn + 3 * h * i) // tp_size + 2 * h
+        head_rows = self.vocab_size // tp_size if self.vocab_size % tp_size == 0 else self.vocab_size
+        embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
         return layers * per_layer + embeddings + h
 
     def resolve_max_model_len(self, requested: int | None) -> int:

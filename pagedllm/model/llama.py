@@ -17,6 +17,7 @@ from torch import nn
 from pagedllm.attention import cpu_kernel
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import paged_attention
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Linear
 from pagedllm.model.rotary import RotaryEmbedding, apply_rotary
@@ -48,13 +49,24 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype), residual
 
 
+def _all_reduce(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """A row-parallel projection's partial sums, summed over the ranks (nothing with one rank)."""
+    return x if tp is None else tp.all_reduce(x)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """With tensor parallelism each rank owns num_heads / tp and num_kv_heads / tp whole heads:
+    qkv_proj is split by output rows (column-parallel), o_proj by input columns (row-parallel),
+    and the ranks' o_proj outputs are summed."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp_size = tp.world_size if tp is not None else 1
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = config.q_size // tp_size, config.kv_size // tp_size
         self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
@@ -73,37 +85,42 @@ class LlamaAttention(nn.Module):
             out = cpu_kernel.paged_attention(
                 q, *kv_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, self.scale
             )
-            return self.o_proj(out.view(num_tokens, self.q_size))
+            return _all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.tp)
         # queries and keys are rotated together: [num_tokens, num_heads + num_kv_heads, head_dim]
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return _all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.tp)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Tensor parallel: gate_up_proj column-parallel, down_proj row-parallel, outputs summed."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = config.intermediate_size // (tp.world_size if tp is not None else 1)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if cpu_kernel.serves_rms_norm(gate_up):  # 16-bit on CPU: one C++ pass instead of three ops
-            return self.down_proj(cpu_kernel.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            activated = cpu_kernel.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate) * up
+        return _all_reduce(self.down_proj(activated), self.tp)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, rope: CosSin, hidden, residual, kv_cache: KVCache, metadata: AttentionMetadata):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -113,25 +130,42 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int) -> None:
+    """`tp`: this rank's group, or None for one rank. The layers' projections are split;
+    embeddings and norms are whole on every rank; the LM head is split by vocabulary rows where
+    the ranks divide the vocabulary (each rank computes its logits, rank 0 gathers them and
+    samples), else whole on every rank and computed by rank 0 alone."""
+
+    def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.vocab_parallel = tp is not None and config.vocab_size % tp.world_size == 0
+        vocab_per_rank = config.vocab_size // tp.world_size if self.vocab_parallel else config.vocab_size
         self.rotary = RotaryEmbedding(config, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab_per_rank, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if self.vocab_parallel:
+            assert self.tp is not None
+            rows = self.lm_head.out_features
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.narrow(0, self.tp.rank * rows, rows))
+        else:
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_weights(self) -> int:
         """Pack every projection for oneDNN where that pays (linear.py). Returns the bytes this
         adds: a tied lm_head gets its own packed copy, since the embedding lookup needs the plain one."""
         added = 0
+        computes_head = self.tp is None or self.tp.is_driver or self.vocab_parallel
         for module in self.modules():
+            if module is self.lm_head and not computes_head:
+                continue  # never computed here: rank 0 alone computes logits
             if isinstance(module, Linear):
                 shared = module is self.lm_head and self.config.tie_word_embeddings
                 before = module.weight
@@ -156,19 +190,31 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         return hidden + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]; with a
+        vocabulary-parallel head every rank calls it and rank 0 alone gets them (others: None)."""
         normed, _ = self.norm(hidden)
-        return self.lm_head(normed).float()
+        logits = self.lm_head(normed).float()
+        if not self.vocab_parallel:
+            return logits
+        assert self.tp is not None
+        return self.tp.gather_columns(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive; with
+        tensor parallelism each rank copies only its slice of the split projections."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        tp_size = self.tp.world_size if self.tp is not None else 1
         for hf_name, tensor in weights:
-            name, offset = _our_name(hf_name, self.config)
+            name, offset, split_dim = _our_name(hf_name, self.config)
             if name is None:
                 continue
+            if name == "lm_head.weight" and self.vocab_parallel:
+                split_dim = 0
+            if self.tp is not None and split_dim is not None:
+                tensor = tensor.chunk(tp_size, split_dim)[self.tp.rank]
+                offset = None if offset is None else offset // tp_size  # within this rank's fused rows
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if name not in params:
@@ -184,10 +230,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
 
-def _our_name(hf_name: str, config: ModelConfig) -> tuple[str | None, int | None]:
-    """Map a Hugging Face tensor name to (our parameter, row offset inside a fused one)."""
+_ROW_PARALLEL = (".self_attn.o_proj.", ".mlp.down_proj.")
+
+
+def _our_name(hf_name: str, config: ModelConfig) -> tuple[str | None, int | None, int | None]:
+    """Map a Hugging Face tensor name to (our parameter, row offset inside a fused one, the
+    dimension tensor parallelism splits: 0 for column-parallel, 1 for row-parallel, None if
+    replicated)."""
     if "rotary_emb" in hf_name:
-        return None, None
+        return None, None, None
     name = hf_name.removeprefix("model.")
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -198,8 +249,8 @@ def _our_name(hf_name: str, config: ModelConfig) -> tuple[str | None, int | None
     }
     for hf_part, (our_part, offset) in fused.items():
         if f".{hf_part}." in name:
-            return name.replace(hf_part, our_part), offset
-    return name, None
+            return name.replace(hf_part, our_part), offset, 0
+    return name, None, 1 if any(part in name for part in _ROW_PARALLEL) else None
 
 
 def _expected_hf_names(config: ModelConfig) -> set[str]:

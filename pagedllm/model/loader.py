@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pagedllm.cpu_features import has_fast_bf16
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.hub import hub_model_path, is_hub_model
@@ -94,8 +95,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
+    folder: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
+    """The model with its weights; with `tp`, this rank's share of them only."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
@@ -110,7 +117,7 @@ def load_model(
         device,
     )
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_position).to(dtype)
+        model = LlamaForCausalLM(config, max_position, tp).to(dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.rotary.compute_cache()  # buffers are computed, not loaded

@@ -35,7 +35,10 @@ class KVCacheSpec:
     cache_dtype: str  # float32 | bfloat16 | float16 | int8 | fp8_e4m3 | fp8_e5m2
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, cache_dtype: str) -> KVCacheSpec:
+    def for_model(
+        cls, config: ModelConfig, block_size: int, cache_dtype: str, tp_size: int = 1
+    ) -> KVCacheSpec:
+        """One rank's cache: with tensor parallelism it holds num_kv_heads / tp_size heads."""
         if cache_dtype not in _ELEMENT_BYTES:
             raise ValueError(
                 f"kv_cache_dtype: {cache_dtype!r} is not a KV cache dtype; "
@@ -47,7 +50,11 @@ class KVCacheSpec:
                 f"an even head_dim, not {config.head_dim}; use auto"
             )
         return cls(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, cache_dtype
+            config.num_hidden_layers,
+            config.num_key_value_heads // tp_size,
+            config.head_dim,
+            block_size,
+            cache_dtype,
         )
 
     @property

@@ -23,7 +23,7 @@ from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogpr
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.structured_output.bitmask import apply_bitmask
-from pagedllm.worker.input_builder import build_model_input
+from pagedllm.worker.input_builder import ModelInput, build_model_input
 from pagedllm.worker.request_table import RequestTable, StepRequest
 
 logger = logging.getLogger(__name__)
@@ -39,8 +39,13 @@ class ModelRunner:
         seed: int,
         max_num_reqs: int,
         max_model_len: int,
+        samples: bool = True,
     ) -> None:
+        """`samples`: False on tensor-parallel ranks other than 0, which run the forward pass
+        (its all-reduces need them) and leave sampling to rank 0 (with a vocabulary-parallel LM
+        head they compute their share of its logits)."""
         self.model = model
+        self.samples = samples
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -69,6 +74,9 @@ class ModelRunner:
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
         )
         output = ModelRunnerOutput(sampled_token_ids={})
+        if not self.samples:
+            self._logits_for_rank_0(hidden, model_input)
+            return output
         for request, first_row, num_rows in model_input.prompt_scoring:
             with _failing_alone(output, request.req_id):
                 output.prompt_logprobs[request.req_id] = self._score_prompt(
@@ -76,6 +84,7 @@ class ModelRunner:
                 )
         if model_input.sampled:
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
+            assert logits is not None  # rank 0 gets the whole vocabulary
             grammar = scheduler_output.grammar_bitmask
             if grammar is not None:
                 output.failed.update(grammar.failed)
@@ -83,6 +92,16 @@ class ModelRunner:
                 apply_bitmask(logits, grammar, rows)
             self._sample(logits, model_input.sampled, output)
         return output
+
+    def _logits_for_rank_0(self, hidden: torch.Tensor, model_input: ModelInput) -> None:
+        """Tensor-parallel ranks but 0, with a vocabulary-parallel head: their share of every
+        logits rank 0 computes this step, in the same order (prompt scoring, then sampling)."""
+        if not self.model.vocab_parallel:
+            return
+        for _, first_row, num_rows in model_input.prompt_scoring:
+            self.model.compute_logits(hidden[first_row : first_row + num_rows])
+        if model_input.sampled:
+            self.model.compute_logits(hidden[model_input.logits_indices])
 
     def _sample(self, logits: torch.Tensor, reqs: list[StepRequest], output: ModelRunnerOutput) -> None:
         """Sample the batch at once; if that raises, each request alone, so only the ones at
@@ -114,6 +133,7 @@ class ModelRunner:
         start = request.num_computed_tokens + 1
         targets = torch.tensor(request.prompt_token_ids[start : start + num_rows], device=hidden.device)
         logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
+        assert logits is not None
         k = request.sampling_params.prompt_logprobs
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]
 

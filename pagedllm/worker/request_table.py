@@ -113,6 +113,14 @@ class RequestTable:
             batch.append(StepRequest(state, scheduled.num_scheduled_tokens, scheduled.do_sample))
         return batch
 
+    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+        """Tokens sampled elsewhere (tensor parallelism: by rank 0) for requests held here; a
+        request finished or preempted since is not held, and its token is dropped."""
+        for req_id, token in sampled_token_ids.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.output_token_ids.append(token)
+
     def block_tables(self, batch: list[StepRequest], num_blocks: int) -> torch.Tensor:
         """[len(batch), num_blocks]: the batch's rows, each request's blocks then zeros."""
         rows = torch.tensor([step.state.row for step in batch])

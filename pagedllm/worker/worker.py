@@ -1,8 +1,10 @@
-"""Worker: one device's resources: the model weights, the KV cache tensors, the runner.
+"""Worker: one device's resources (one tensor-parallel rank's): the model weights, the KV cache
+tensors, the runner.
 
 Start-up order: load the model, find the KV budget (CPU: --kv-cache-memory-bytes, default
 4 GiB; CUDA: --gpu-memory-utilization of the device minus weights and a measured activation
-peak), turn it into blocks, allocate them, build the runner.
+peak), turn it into blocks (with tensor parallelism, the fewest any rank can hold: the
+scheduler hands out one set of block ids for all), allocate them, build the runner.
 """
 
 from __future__ import annotations
@@ -15,13 +17,20 @@ import torch
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_model, resolve_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cpu_allocator import keep_freed_memory
 from pagedllm.worker.cpu_threads import CPUThreads
-from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, allocate_kv_caches
+from pagedllm.worker.kv_cache import (
+    KVCachePlan,
+    KVCacheSpec,
+    allocate_kv_caches,
+    plan_kv_cache,
+    resolve_cache_dtype,
+)
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -36,15 +45,24 @@ def resolve_device(device: str) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_folder: Path,
+        model_config: ModelConfig,
+        tp: TPGroup | None = None,
+    ) -> None:
+        """`tp`: this rank's group (None: one rank)."""
         self.config = config
         self.model_folder = model_folder
         self.model_config = model_config
+        self.tp = tp
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model: LlamaForCausalLM | None = None
         self.packed_copy_bytes = 0  # a tied lm_head's oneDNN copy, beside the embedding it shares
         self.runner: ModelRunner | None = None
+        self.kv_cache_plan: KVCachePlan | None = None
         self.cpu_threads = (
             CPUThreads(config.num_threads, config.cpu_cores) if self.device.type == "cpu" else None
         )
@@ -59,8 +77,24 @@ class Worker:
         if self.cpu_threads is not None:
             keep_freed_memory()
             self.cpu_threads.start()
-        self.model = load_model(self.model_folder, self.model_config, self.dtype, self.device, max_position)
+        self.model = load_model(
+            self.model_folder, self.model_config, self.dtype, self.device, max_position, self.tp
+        )
         self.packed_copy_bytes = self.model.pack_weights()
+
+    def plan_kv_cache(self, max_model_len: int) -> KVCachePlan:
+        """This rank's cache: its budget in blocks of its share of the KV heads; with tensor
+        parallelism, the fewest blocks any rank can hold (every rank must hold every block id)."""
+        cache_dtype = resolve_cache_dtype(self.config.kv_cache_dtype, str(self.dtype).split(".")[-1])
+        tp_size = self.tp.world_size if self.tp is not None else 1
+        spec = KVCacheSpec.for_model(self.model_config, self.config.block_size, cache_dtype, tp_size)
+        plan = plan_kv_cache(
+            spec, self.kv_cache_budget_bytes(), max_model_len, self.config.num_gpu_blocks_override
+        )
+        if self.tp is None:
+            return plan
+        num_blocks = self.tp.min_over_ranks(plan.num_blocks)
+        return plan_kv_cache(spec, plan.budget_bytes, max_model_len, num_blocks)
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take on this device."""
@@ -72,6 +106,7 @@ class Worker:
 
     def initialize_cache(self, plan: KVCachePlan) -> None:
         assert self.model is not None
+        self.kv_cache_plan = plan
         kv_caches = allocate_kv_caches(plan.spec, plan.num_blocks, self.device)
         self.runner = ModelRunner(
             self.model,
@@ -81,9 +116,15 @@ class Worker:
             self.config.seed,
             max_num_reqs=self.config.max_num_seqs,
             max_model_len=plan.max_model_len,
+            samples=self.tp is None or self.tp.is_driver,
         )
         if self.runner.paged_kernel:
             logger.info("Attention: C++ kernel reading the paged KV cache in place (decodes and prefills)")
+
+    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+        """Ranks that do not sample: the tokens rank 0 sampled last step, before this step's input."""
+        assert self.runner is not None, "initialize_cache() first"
+        self.runner.requests.append_sampled(sampled_token_ids)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache() first"

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="with --device-memory: activations and CUDA context, which the engine measures (e.g. 0.5GB)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is split over: weights, budget and cache are then one rank's",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     numbers = parser.add_argument_group("model by numbers (instead of --model)")
     numbers.add_argument("--layers", type=int, default=None)
@@ -105,11 +111,14 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         budget=budget,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
 def format_plan(plan: CapacityPlan) -> str:
     c, kv, spec, budget = plan.model_config, plan.kv, plan.kv.spec, plan.budget
+    tp = plan.tensor_parallel_size
+    per_rank = f" per rank (of {tp})" if tp > 1 else ""
     element = f"{spec.element_bytes} byte{'s' if spec.element_bytes > 1 else ''}"
     row = f"{c.head_dim} x {element}" + (" + 2 scale bytes" if spec.is_quantized else "")
     scales = spec.scale_bytes_per_token
@@ -118,12 +127,14 @@ def format_plan(plan: CapacityPlan) -> str:
         f"model            {plan.model_name} ({c.architecture})",
         f"shape            {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
         f"{c.num_key_value_heads} KV heads, head_dim {c.head_dim}, context {c.max_position_embeddings:,}",
-        f"weights          {plan.num_parameters:,} parameters x {plan.dtype} = {_size(plan.weights_bytes)}",
+        f"weights          {plan.num_parameters:,} parameters x {plan.dtype} = {_size(plan.weights_bytes)}"
+        + per_rank,
         f"KV cache dtype   {spec.cache_dtype}",
         f"bytes per token  {spec.bytes_per_token:,} = 2 x {c.num_hidden_layers} layers x "
-        f"{c.num_key_value_heads} KV heads x ({row}){scale_share}",
-        f"KV budget        {_size(kv.budget_bytes)}{_budget_source(plan)}",
-        f"blocks           {kv.num_blocks:,} of {spec.block_size} tokens = {_size(kv.allocated_bytes)}",
+        f"{spec.num_kv_heads} KV heads x ({row}){scale_share}{per_rank}",
+        f"KV budget        {_size(kv.budget_bytes)}{_budget_source(plan)}{per_rank}",
+        f"blocks           {kv.num_blocks:,} of {spec.block_size} tokens = {_size(kv.allocated_bytes)}"
+        + (f" per rank; {_size(kv.allocated_bytes * tp)} over {tp} ranks" if tp > 1 else ""),
         f"tokens           {kv.num_tokens:,}",
         f"max concurrency  {kv.max_concurrency:.2f} requests of {kv.max_model_len:,} tokens"
         + ("" if fits(kv) else "  (not one fits: the engine would refuse to start)"),

@@ -1,0 +1,50 @@
+"""What the engine asks of an executor, whichever runs the ranks."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.model.config import ModelConfig
+from pagedllm.worker.kv_cache import KVCachePlan
+from pagedllm.worker.worker import Worker
+
+FailureCallback = Callable[[BaseException], None]
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank's process or actor is gone: the model cannot run a step any more."""
+
+
+class Executor(ABC):
+    """Rank 0's Worker lives in this process (`driver_worker`: its dtype, device, weights and KV
+    tensors are what the engine reports and the disk tier reads); the others, if any, elsewhere."""
+
+    def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_folder = model_folder
+        self.model_config = model_config
+        self.tp_size = config.tensor_parallel_size
+        self.driver_worker: Worker | None = None
+        self.kv_cache_plan: KVCachePlan | None = None
+        """One rank's cache (every rank holds the same number of blocks)."""
+
+    @abstractmethod
+    def start(self, max_model_len: int) -> None:
+        """Load the model on every rank, agree on the KV blocks, allocate them."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank; rank 0's sampled tokens."""
+
+    @abstractmethod
+    def set_failure_callback(self, on_failure: FailureCallback) -> None:
+        """`on_failure` is called (from a monitor thread) with a WorkerDiedError when a rank dies,
+        even while no step runs."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the other ranks (a graceful end)."""

@@ -1,0 +1,201 @@
+"""Tensor parallelism on CPU (gloo): TP=2 gives TP=1's greedy tokens, token for token, through
+prefix hits and preemptions, with both executor backends; sizes that split no head are refused;
+a rank killed under a running server ends the server, non-zero, saying which rank and how."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+
+import httpx
+import psutil
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.server_process import ServerProcess
+from pagedllm.distributed import shm_all_reduce
+from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.loader import default_model_path
+from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
+
+# 4 heads / 2 KV heads (head_dim 64: the kernel's AVX-512 path), tied embeddings like SmolLM2.
+TINY_LLAMA = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": True,
+}
+# 40 blocks of 16 tokens for 8 requests of up to ~110 tokens: the scheduler must preempt.
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "num_gpu_blocks_override": 40,
+    "max_num_seqs": 8,
+    "disable_log_stats": True,
+}
+PROMPTS = [f"Story {i}: once upon a time there was a" + " very" * (i * 7) for i in range(8)]
+PROMPTS += [PROMPTS[3] + " and then", PROMPTS[5] + " but"]  # prefix hits on whole blocks
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+# logits of prompt rows and sampled rows, which a vocabulary-parallel LM head gathers from the ranks
+SCORED = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=3)
+
+
+def write_tiny_model(folder, **changes) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY_LLAMA, **changes}), dtype=torch.float32)
+    model.save_pretrained(folder)
+    for file in converted_folder(default_model_path()).glob("tokenizer*"):
+        shutil.copy(file, folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-4-heads"))
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    """Greedy tokens of PROMPTS."""
+    num_preemptions: int
+    prefix_hits: int
+    all_reduce: str | None
+    """How rank 0 all-reduced (None with one rank)."""
+    scored: list[tuple[int, float]]
+    """SCORED's prompt and sampled logprobs, as (token, logprob) in order."""
+
+
+def generate(model: str, **engine_args) -> Run:
+    llm = LLM(model, **ENGINE_ARGS, **engine_args)
+    tp = llm.llm_engine.worker.tp
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+        (scored,) = llm.generate(PROMPTS[:1], SCORED, use_tqdm=False)
+    finally:
+        llm.llm_engine.close()
+    positions = [p for p in scored.prompt_logprobs or [] if p is not None] + scored.outputs[0].logprobs
+    return Run(
+        tokens=[o.outputs[0].token_ids for o in outputs],
+        num_preemptions=stats.num_preemptions,
+        prefix_hits=stats.prefix_cache.hits,
+        all_reduce=None if tp is None else "gloo" if tp.shm is None else "shared memory",
+        scored=[(token, lp.logprob) for p in positions for token, lp in p.items()],
+    )
+
+
+def assert_same_output(ours: Run, reference: Run, label: str) -> None:
+    assert ours.num_preemptions > 0 and ours.prefix_hits > 0
+    for i, (a, b) in enumerate(zip(ours.tokens, reference.tokens, strict=True)):
+        assert a == b, f"prompt {i}: {label} departs from TP=1"
+    assert [t for t, _ in ours.scored] == [t for t, _ in reference.scored]
+    assert [lp for _, lp in ours.scored] == pytest.approx([lp for _, lp in reference.scored], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_model) -> Run:
+    run = generate(tiny_model)
+    assert run.num_preemptions > 0 and run.prefix_hits > 0, "the workload must preempt and hit the cache"
+    assert all(len(set(t)) > 10 for t in run.tokens), "degenerate outputs would prove little"
+    return run
+
+
+@pytest.mark.parametrize(
+    ("backend", "all_reduce"), [("mp", "shared memory"), ("mp", "gloo"), ("ray", "shared memory")]
+)
+def test_tp2_greedy_equals_tp1_token_for_token(tiny_model, tp1, backend, all_reduce, monkeypatch):
+    if all_reduce == "gloo":  # as across hosts: rank 0 (this process) offers no shared file
+        monkeypatch.setattr(shm_all_reduce, "is_supported", lambda: False)
+    run = generate(tiny_model, tensor_parallel_size=2, distributed_executor_backend=backend)
+    assert run.all_reduce == all_reduce
+    assert_same_output(run, tp1, f"TP=2 ({backend}, {all_reduce})")
+
+
+def test_an_untied_lm_head_splits_by_vocabulary_too(tmp_path):
+    model = write_tiny_model(tmp_path, tie_word_embeddings=False)
+    assert_same_output(generate(model, tensor_parallel_size=2), generate(model), "TP=2, untied")
+
+
+def test_a_size_that_splits_heads_is_refused_saying_what_works():
+    # the default SmolLM2-135M: 9 attention heads, 3 KV heads
+    with pytest.raises(ValueError, match=r"2 does not divide this model's 9 attention heads.*: 1, 3$"):
+        LLM(dtype="float32", max_model_len=256, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-request"])
+def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, tmp_path, when):
+    """Idle, the monitor must notice (no step runs); mid-request, rank 0's all-reduce must stop
+    waiting for the dead peer. Either way the reason reaches the log."""
+    log = tmp_path / "server.log"
+    args = [
+        "--model",
+        tiny_model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--tensor-parallel-size",
+        "2",
+        "--disable-log-stats",
+    ]
+    server = ServerProcess(args, log_path=log)
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        body = {"model": tiny_model, "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        children = psutil.Process(server.proc.pid).children()
+        (rank_1,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
+        if when == "idle":
+            rank_1.send_signal(signal.SIGKILL)
+            start = time.monotonic()
+        else:
+            long = {**body, "max_tokens": 240, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as stream:
+                lines = stream.iter_lines()
+                next(lines)  # the first tokens are out: steps are running
+                rank_1.send_signal(signal.SIGKILL)
+                start = time.monotonic()
+                rest = "\n".join(lines)
+            assert '"error"' in rest and "the engine has stopped" in rest  # an error event, not a finish
+        status = server.proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        server.stop()
+    assert status == 1
+    assert elapsed < 10
+    text = log.read_text()
+    assert f"tensor-parallel rank 1 (process {rank_1.pid}) was killed by SIGKILL" in text
+    assert "The engine failed (WorkerDiedError" in text
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
+
+
+def test_the_planner_reports_one_ranks_share():
+    # Llama-3-8B's shape: 8 KV heads over 2 ranks leave 4 per rank, so a rank's budget holds twice the tokens
+    shape = {"layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 8}
+    config = config_from_numbers(**shape, intermediate_size=14336, vocab_size=128256)
+    budget = MemoryBudget(kv_cache_memory_bytes=8 * 2**30)
+    one, two = (
+        plan_capacity(config, "8B", dtype="bfloat16", budget=budget, tensor_parallel_size=n) for n in (1, 2)
+    )
+    assert two.kv.spec.num_kv_heads == 4
+    assert two.kv.spec.bytes_per_token * 2 == one.kv.spec.bytes_per_token
+    assert two.kv.num_blocks == 2 * one.kv.num_blocks
+    whole = 128256 * 4096 + 4096 + 32 * 2 * 4096  # embed_tokens and the norms, on every rank
+    assert two.num_parameters == (one.num_parameters - whole) // 2 + whole  # layers and lm_head split
+    assert two.as_dict()["kv_cache_allocated_bytes_all_ranks"] == 2 * two.kv.allocated_bytes
+    with pytest.raises(ValueError, match="3 does not divide this model's 32 attention heads"):
+        plan_capacity(config, "8B", budget=budget, tensor_parallel_size=3)
