@@ -15,7 +15,6 @@ import torch
 
 from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, SCALE_BYTES
 from pagedllm.model.config import ModelConfig
-from pagedllm.worker.cpu_allocator import advise_huge_pages
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 _ALIASES = {"fp8": "fp8_e4m3"}  # as in vLLM
@@ -106,9 +105,7 @@ def allocate_kv_caches(
     dtype = KV_CACHE_DTYPES[spec.cache_dtype] if spec.is_quantized else getattr(torch, spec.cache_dtype)
     row = spec.head_dim + spec.scale_bytes_per_row  # elements: one byte each when quantized
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, row)
-    storage = torch.empty(shape, dtype=dtype, device=device)
-    advise_huge_pages(storage)  # CPU: before the zeros fault the pages in
-    storage.zero_()
+    storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
 
 
