@@ -14,6 +14,7 @@ group, and with one rank there is none at all (no collective on the TP=1 path).
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import socket
@@ -26,6 +27,8 @@ from pagedllm.config import parse_cores
 from pagedllm.distributed import shm_all_reduce
 from pagedllm.distributed.shm_all_reduce import ShmAllReduce
 from pagedllm.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT = datetime.timedelta(seconds=300)
 """How long rank 0 waits for every rank to join (a rank that never starts fails the start-up)."""
@@ -105,9 +108,8 @@ def _open_shm(rank: int, world_size: int, port: int, max_bytes: int, control) ->
     unlinks it at once (the mappings keep it; nothing is left behind, even after a crash)."""
     path = None
     if rank == 0 and shm_all_reduce.is_supported():
-        path = f"/dev/shm/pagedllm-tp-{os.getpid()}-{port}"
-        with open(path, "wb") as f:
-            f.truncate(ShmAllReduce.file_bytes(world_size, max_bytes))
+        size = ShmAllReduce.file_bytes(world_size, max_bytes)
+        path = _reserve(f"/dev/shm/pagedllm-tp-{os.getpid()}-{port}", size)
     box = [path]
     dist.broadcast_object_list(box, src=0, group=control)
     path = box[0]
@@ -122,6 +124,24 @@ def _open_shm(rank: int, world_size: int, port: int, max_bytes: int, control) ->
     if rank == 0 and path is not None:
         os.unlink(path)
     return shm
+
+
+def _reserve(path: str, size: int) -> str | None:
+    """Make the file with all its pages taken now: a sparse file on a /dev/shm smaller than it
+    (Docker's default is 64 MiB) would end the first step that touches a page past the limit
+    with SIGBUS. None where it does not fit: the ranks then all-reduce through gloo."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        logger.warning(
+            "No room for %d MiB in /dev/shm (%s): ranks all-reduce through gloo", size >> 20, error
+        )
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+    return path
 
 
 def destroy_tp_group() -> None:

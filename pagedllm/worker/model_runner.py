@@ -130,9 +130,10 @@ class ModelRunner:
         self, hidden: torch.Tensor, request: StepRequest, first_row: int, num_rows: int
     ) -> list[TokenLogprobs]:
         """Logprobs of the prompt tokens that follow this chunk's rows (teacher forcing)."""
+        # logits first: with a vocabulary-parallel head they are a gather every rank joins
+        logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
         start = request.num_computed_tokens + 1
         targets = torch.tensor(request.prompt_token_ids[start : start + num_rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
         assert logits is not None
         k = request.sampling_params.prompt_logprobs
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]

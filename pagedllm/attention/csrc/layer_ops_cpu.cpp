@@ -168,7 +168,8 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t num_rows, int64_t inter
       for (int64_t i = 0; i < intermediate; ++i) {
         const float x = static_cast<float>(gate[i]);
         const float e = pagedllm_cpu::exp_nonpositive(-std::fabs(x));
-        const float sigmoid = (x >= 0.f ? 1.f : e) / (1.f + e);
+        // below -87 exp(-x) overflows in float32 and PyTorch's x / (1 + exp(-x)) is -0 (NaN at -inf)
+        const float sigmoid = x < -87.f ? 0.f : (x >= 0.f ? 1.f : e) / (1.f + e);
         const T activated = static_cast<T>(x * sigmoid);
         o[i] = static_cast<T>(static_cast<float>(activated) * static_cast<float>(up[i]));
       }

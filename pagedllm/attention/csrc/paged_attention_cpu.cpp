@@ -374,7 +374,8 @@ inline __m512bh as_bf16x32(__m512i x) {
   return y;
 }
 
-// exp_nonpositive, 16 lanes at a time: the same clamp, rounding and polynomial.
+// exp_nonpositive, 16 lanes at a time: the same clamp, rounding and polynomial (its last step
+// grouped as fma(p r, r, r + 1), so not always bit for bit the scalar's; each path uses only one).
 inline __m512 exp16_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 round = _mm512_set1_ps(12582912.f);
@@ -447,9 +448,11 @@ inline void scores16_bf16(const uint32_t* const* query_pairs, const uint32_t* ti
 
 // acc[g] += sum_t weights[g][t] * rows[t] for Group <= 4 queries, rows taken in pairs (t, t + 1):
 // their values interleaved, the pair's two bfloat16 weights broadcast, one dpbf16ps per 16
-// outputs. An odd len's last pair repeats its last row, whose partner weight is 0 (the weights
-// past a query's keys are). 64 outputs at a time, 4 x Group accumulators in registers, kept in
+// outputs. An odd len's last row pairs with a row of zeros (its weight is 0 too: the weights past
+// a query's keys are), so nothing of another row enters, not even 0 x inf. 64 outputs at a time, 4 x Group accumulators in registers, kept in
 // the interleaved order: output d of a 64-block sits at bf16_sum_slot(d) (put back at the end).
+alignas(64) constexpr uint8_t kZeroRow[128] = {};  // 64 bfloat16 zeros
+
 template <int64_t Group>
 void weighted_sum_bf16(const uint32_t* const* weight_pairs, const uint8_t* const* rows, int64_t len,
                        int64_t head_dim, float* const* acc_rows) {
@@ -464,7 +467,7 @@ void weighted_sum_bf16(const uint32_t* const* weight_pairs, const uint8_t* const
         prefetch_row(rows[t + kPrefetchRows + 1 < len ? t + kPrefetchRows + 1 : t + kPrefetchRows] + 2 * d, 128);
       }
       const uint8_t* a = rows[t] + 2 * d;
-      const uint8_t* b = rows[t + 1 < len ? t + 1 : t] + 2 * d;
+      const uint8_t* b = t + 1 < len ? rows[t + 1] + 2 * d : kZeroRow;
       const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64);
       const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64);
       const __m512bh x[4] = {as_bf16x32(_mm512_unpacklo_epi16(a0, b0)), as_bf16x32(_mm512_unpackhi_epi16(a0, b0)),
