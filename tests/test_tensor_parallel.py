@@ -199,3 +199,19 @@ def test_the_planner_reports_one_ranks_share():
     assert two.as_dict()["kv_cache_allocated_bytes_all_ranks"] == 2 * two.kv.allocated_bytes
     with pytest.raises(ValueError, match="3 does not divide this model's 32 attention heads"):
         plan_capacity(config, "8B", budget=budget, tensor_parallel_size=3)
+
+
+def test_a_start_up_that_fails_after_the_ranks_started_stops_them(tiny_model, monkeypatch):
+    """The engine's own set-up failing once ranks 1.. run (here its output processor) raises, and
+    leaves no rank behind waiting for a step."""
+    import multiprocessing
+
+    from pagedllm.engine import llm_engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("set-up failed")
+
+    monkeypatch.setattr(llm_engine, "OutputProcessor", broken)
+    with pytest.raises(RuntimeError, match="set-up failed"):
+        LLM(tiny_model, **ENGINE_ARGS, tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]

@@ -63,6 +63,14 @@ class LLMEngine:
 
         self.executor: Executor = make_executor(self.config, folder, self.model_config)
         self.executor.start(max_model_len)
+        try:
+            self._set_up(folder, max_model_len, start)
+        except BaseException:
+            self.executor.shutdown()  # ranks 1.. must not wait for a step that never comes
+            raise
+
+    def _set_up(self, folder: Path, max_model_len: int, start: float) -> None:
+        """Everything after the ranks started: the cache manager, scheduler, outputs, warm-up."""
         assert self.executor.driver_worker is not None and self.executor.kv_cache_plan is not None
         self.worker: Worker = self.executor.driver_worker
         """Rank 0's: the dtype, device and KV tensors (rank 0's share) the engine reports and reads."""

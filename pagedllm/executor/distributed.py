@@ -65,7 +65,12 @@ class DistributedExecutor(Executor):
         self.config = config = self.config.replace(max_model_len=max_model_len)
         address = self._driver_address()
         port = free_port(address)
-        local_world_size = self._launch(address, port)
+        try:
+            local_world_size = self._launch(address, port)
+        except Exception:  # e.g. a Ray cluster without room: nothing left behind
+            self._stopping = True
+            self._stop_ranks()
+            raise
         atexit.register(self._at_exit)
         threading.Thread(target=self._monitor, name="pagedllm-rank-monitor", daemon=True).start()
         spec = RankSpec(0, self.tp_size, address, port, 0, local_world_size, cuda_index=0)
