@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from pagedllm.metrics.stats import HitCounts, SchedulerStats
+from pagedllm.metrics.stats import EngineTotals, HitCounts, SchedulerStats
 from pagedllm.outputs import RequestOutput
 
 WINDOW = 1000  # finished requests the percentiles cover
@@ -100,20 +100,6 @@ class LiveStats:
         }
 
 
-class _Counts(NamedTuple):
-    """The engine's running totals that history rates follow."""
-
-    prompt_tokens_computed: int = 0
-    generation_tokens: int = 0
-    queries: int = 0
-    hits: int = 0
-
-    @classmethod
-    def of(cls, stats: SchedulerStats) -> _Counts:
-        cache = stats.prefix_cache
-        return cls(stats.num_prompt_tokens_computed, stats.num_generation_tokens, cache.queries, cache.hits)
-
-
 class Sample(NamedTuple):
     """One point of the charts: rates over the interval that ends at `time`, gauges at `time`."""
 
@@ -136,14 +122,14 @@ class History:
     def __init__(self, start: float) -> None:
         self._samples: deque[Sample] = deque(maxlen=NUM_SAMPLES)
         self._last_time = start
-        self._last_counts = _Counts()
-        self._counts = _Counts()
+        self._last_counts = EngineTotals()
+        self._counts = EngineTotals()
         self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, KV cache usage
         self._ttfts: list[float] = []
 
     def record(self, now: float, stats: SchedulerStats, ttfts: list[float]) -> None:
         """On the engine thread (stats.prefix_cache is the scheduler's live object)."""
-        self._counts = _Counts.of(stats)
+        self._counts = EngineTotals.of(stats)
         self._gauges = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
         self._ttfts.extend(ttfts)
         self._sample_if_due(now)
@@ -158,7 +144,7 @@ class History:
         elapsed = now - self._last_time
         if elapsed < SAMPLE_INTERVAL_S:
             return
-        new = _Counts(*(a - b for a, b in zip(self._counts, self._last_counts, strict=True)))
+        new = self._counts.since(self._last_counts)
         running, waiting, kv_cache_usage = self._gauges
         ttft = _percentiles(self._ttfts)
         self._samples.append(

@@ -19,8 +19,6 @@ tests/test_metrics_parity.py lists them with reasons.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -34,7 +32,7 @@ from prometheus_client import (
 
 from pagedllm.metrics import buckets
 from pagedllm.metrics.hit_breakdowns import HitBreakdowns
-from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.metrics.stats import EngineTotals, SchedulerStats
 from pagedllm.outputs import RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -45,29 +43,6 @@ _SPANS = {  # span of a finished request -> (family, what it measures), vLLM's d
     "prefill_time": ("request_prefill_time_seconds", "First scheduled to first token."),
     "decode_time": ("request_decode_time_seconds", "First to last token."),
 }
-
-
-class _EngineCounts(NamedTuple):
-    """The engine's running totals that counters follow (SchedulerStats holds totals, not deltas)."""
-
-    queries: int = 0
-    hits: int = 0
-    preemptions: int = 0
-    prompt_tokens_computed: int = 0
-    generation_tokens: int = 0
-    disk_hits: int = 0
-
-    @classmethod
-    def of(cls, stats: SchedulerStats) -> _EngineCounts:
-        cache = stats.prefix_cache
-        return cls(
-            cache.queries,
-            cache.hits,
-            stats.num_preemptions,
-            stats.num_prompt_tokens_computed,
-            stats.num_generation_tokens,
-            stats.num_disk_hit_tokens,
-        )
 
 
 class PrometheusMetrics:
@@ -108,7 +83,7 @@ class PrometheusMetrics:
             registry=self.registry,
         ).labels(**self._labels, **cache_config).set(1)
         self._hit_breakdowns = HitBreakdowns(self.registry, prefix, self._labels, caller_labels)
-        self._last_counts = _EngineCounts()
+        self._last_counts = EngineTotals()
         self._last_token_times: dict[str, float] = {}
         """Live requests that have their first token: when their latest token came."""
 
@@ -223,8 +198,8 @@ class PrometheusMetrics:
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.num_requests_waiting_for_capacity.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        counts = _EngineCounts.of(stats)
-        new = _EngineCounts(*(now - before for now, before in zip(counts, self._last_counts, strict=True)))
+        counts = EngineTotals.of(stats)
+        new = counts.since(self._last_counts)
         self._last_counts = counts
         self.prefix_cache_queries.inc(new.queries)
         self.prefix_cache_hits.inc(new.hits)

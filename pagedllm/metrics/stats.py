@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Prompt-length buckets for the hit rate: where do hits happen (and where don't they)?
 PROMPT_LENGTH_BUCKETS = (128, 512, 2048, 8192)
@@ -88,3 +89,30 @@ class SchedulerStats:
     num_disk_hit_tokens: int = 0
     """Of the prefix-cache hit tokens, those the disk tier (--kv-offload-dir) supplied."""
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+
+class EngineTotals(NamedTuple):
+    """The engine's running totals that rates and counters follow: SchedulerStats holds totals,
+    so a reader takes one snapshot per interval and subtracts the one before (`since`)."""
+
+    queries: int = 0
+    hits: int = 0
+    preemptions: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    disk_hits: int = 0
+
+    @classmethod
+    def of(cls, stats: SchedulerStats) -> EngineTotals:
+        cache = stats.prefix_cache
+        return cls(
+            cache.queries,
+            cache.hits,
+            stats.num_preemptions,
+            stats.num_prompt_tokens_computed,
+            stats.num_generation_tokens,
+            stats.num_disk_hit_tokens,
+        )
+
+    def since(self, before: EngineTotals) -> EngineTotals:
+        return EngineTotals(*(now - then for now, then in zip(self, before, strict=True)))
