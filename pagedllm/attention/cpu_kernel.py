@@ -119,13 +119,14 @@ def add_rms_norm(
     return torch.ops.pagedllm.add_rms_norm(x, empty if residual is None else residual, weight, eps)
 
 
-def serves_rms_norm(x: torch.Tensor) -> bool:
+def serves_16bit_layer_ops(x: torch.Tensor) -> bool:
+    """Whether add_rms_norm and silu_and_mul take this activation (a 16-bit model on CPU)."""
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and is_built()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from a fused [num_tokens, 2 * intermediate] projection, in one pass, for a
-    16-bit model on CPU (check serves_rms_norm); rounded as Hugging Face's two ops round."""
+    16-bit model on CPU (check serves_16bit_layer_ops); within a rounding of Hugging Face's two ops."""
     return torch.ops.pagedllm.silu_and_mul(gate_up)
 
 

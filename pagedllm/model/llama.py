@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if cpu_kernel.serves_rms_norm(x):  # 16-bit on CPU: one C++ pass instead of nine ops
+        if cpu_kernel.serves_16bit_layer_ops(x):  # 16-bit on CPU: one C++ pass instead of nine ops
             return cpu_kernel.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
         if residual is not None:
             x = residual + x
@@ -106,7 +106,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_kernel.serves_rms_norm(gate_up):  # 16-bit on CPU: one C++ pass instead of three ops
+        if cpu_kernel.serves_16bit_layer_ops(gate_up):  # 16-bit on CPU: one C++ pass instead of three ops
             activated = cpu_kernel.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
