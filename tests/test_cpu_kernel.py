@@ -198,25 +198,26 @@ def test_requests_sharing_prefix_blocks_read_them_together_with_the_same_outputs
         torch.testing.assert_close(together, decode_gathered(query, k, v, batch, 0.125), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):
     """Hugging Face's RMSNorm in PyTorch ops: the residual sum bit for bit, the output within one
-    rounding of the model dtype (only the order of summing squares differs)."""
+    rounding of a 16-bit model dtype (only the order of summing squares differs); in float32,
+    where no coarser rounding hides that order, within a few float32 roundings."""
     gen = torch.Generator().manual_seed(11)
     x, residual = (torch.randn(37, 576, generator=gen).to(dtype) * 3 for _ in "xr")
     weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
     summed = residual + x if with_residual else x
     h = summed.float()
     expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
-    assert cpu_kernel.serves_16bit_layer_ops(x)
+    assert cpu_kernel.serves_layer_ops(x)
     out, new_residual = cpu_kernel.add_rms_norm(x, residual if with_residual else None, weight, 1e-5)
     assert torch.equal(new_residual, summed)
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
-    assert ((out.float() - expected.float()).abs() <= 2 * ulp).all()
+    assert ((out.float() - expected.float()).abs() <= (4 if dtype == torch.float32 else 2) * ulp).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_write_kv_equals_apply_rotary_and_write_kv(dtype):
     """Bit for bit: the queries rotary.apply_rotary gives, and the rows write_kv writes."""
     from pagedllm.attention.paged_attention import write_kv
@@ -240,10 +241,11 @@ def test_rotary_write_kv_equals_apply_rotary_and_write_kv(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_silu_and_mul_equals_the_pytorch_ops(dtype):
     """Hugging Face's act(gate) * up in the model dtype: within one rounding of it (the kernel's
-    exp and sigmoid differ from PyTorch's in the last float32 bits, which rounding mostly hides)."""
+    exp and sigmoid differ from PyTorch's in the last float32 bits, which rounding to a 16-bit
+    dtype mostly hides; in float32 they show, a few roundings at most)."""
     gen = torch.Generator().manual_seed(13)
     gate_up = (torch.randn(23, 2 * 1536, generator=gen) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # saturated and zero gates
@@ -252,8 +254,11 @@ def test_silu_and_mul_equals_the_pytorch_ops(dtype):
     got = cpu_kernel.silu_and_mul(gate_up)
     assert got.dtype == dtype and got.shape == expected.shape
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
-    assert ((got.float() - expected.float()).abs() <= 2 * ulp).all()
-    assert (got == expected).float().mean() > 0.99  # almost every value bit for bit
+    if dtype == torch.float32:
+        assert ((got - expected).abs() <= 4 * ulp).all()
+    else:
+        assert ((got.float() - expected.float()).abs() <= 2 * ulp).all()
+        assert (got == expected).float().mean() > 0.99  # almost every value bit for bit
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 49157])

@@ -1,4 +1,4 @@
-"""The CPU kernels (csrc/: paged attention; for 16-bit models, residual add + RMSNorm, rotary +
+"""The CPU kernels (csrc/: paged attention; residual add + RMSNorm, rotary +
 KV-cache write and SiLU-and-multiply; greedy sampling's argmax), compiled on first use into one
 library.
 
@@ -113,20 +113,20 @@ def paged_decode_attention(
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual) for a 16-bit model on CPU, in one call.
+    """(RMSNorm(x + residual) * weight, x + residual) on CPU, in one call.
     x: [num_tokens, hidden]; residual: the same, or None for the first norm."""
     empty = x.new_empty(0)
     return torch.ops.pagedllm.add_rms_norm(x, empty if residual is None else residual, weight, eps)
 
 
-def serves_16bit_layer_ops(x: torch.Tensor) -> bool:
-    """Whether add_rms_norm and silu_and_mul take this activation (a 16-bit model on CPU)."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and is_built()
+def serves_layer_ops(x: torch.Tensor) -> bool:
+    """Whether add_rms_norm and silu_and_mul take this activation (float32, bfloat16 or float16, on CPU)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and is_built()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from a fused [num_tokens, 2 * intermediate] projection, in one pass, for a
-    16-bit model on CPU (check serves_16bit_layer_ops); within a rounding of Hugging Face's two ops."""
+    model on CPU (check serves_layer_ops); within a rounding or so of Hugging Face's two ops."""
     return torch.ops.pagedllm.silu_and_mul(gate_up)
 
 
@@ -165,10 +165,10 @@ def rotary_write_kv(
 
 
 def serves_rotary_write_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """16-bit model, cache of the same dtype, on CPU."""
+    """A float32, bfloat16 or float16 model with a cache of the same dtype, on CPU."""
     return (
         qkv.device.type == "cpu"
-        and qkv.dtype in (torch.bfloat16, torch.float16)
+        and qkv.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and k_cache.dtype == qkv.dtype
         and is_built()
     )

@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if cpu_kernel.serves_16bit_layer_ops(x):  # 16-bit on CPU: one C++ pass instead of nine ops
+        if cpu_kernel.serves_layer_ops(x):  # on CPU: one C++ pass instead of up to nine ops
             return cpu_kernel.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
         if residual is not None:
             x = residual + x
@@ -78,7 +78,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         kernel = metadata.kernel
         if kernel is not None and cpu_kernel.serves_rotary_write_kv(qkv, kv_cache[0]):
-            # 16-bit on CPU: rotary and the K/V write in one C++ pass (same numbers), then the kernel
+            # on CPU: rotary and the K/V write in one C++ pass (same numbers), then the kernel
             q = cpu_kernel.rotary_write_kv(
                 qkv, *rope, metadata.slot_mapping, *kv_cache, self.num_heads, self.num_kv_heads
             )
@@ -106,7 +106,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_kernel.serves_16bit_layer_ops(gate_up):  # 16-bit on CPU: one C++ pass instead of three ops
+        if cpu_kernel.serves_layer_ops(gate_up):  # on CPU: one C++ pass instead of three ops
             activated = cpu_kernel.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -1,20 +1,24 @@
-// Two layer steps of a 16-bit (bfloat16 / float16) model on CPU, each one pass instead of several
+// Layer steps of a model on CPU (float32, bfloat16 or float16), each one pass instead of several
 // PyTorch ops (and their dispatch, which at small batches costs more than the arithmetic):
 //
 // add_rms_norm: residual add + RMSNorm, in one pass per row.
 //
-// In PyTorch ops this is nine calls per norm (add, widen, square, mean, add eps, rsqrt, scale,
+// In PyTorch ops this is up to nine calls per norm (add, widen, square, mean, add eps, rsqrt, scale,
 // narrow, times weight), each a pass over the activations and a dispatch: at a decode step of 8
 // requests the 61 norms of a 30-layer model spent more time in dispatch than in arithmetic. The
 // arithmetic follows Hugging Face's LlamaRMSNorm: the residual sum rounded to the model dtype,
 // h = float(x), h * rsqrt(mean(h^2) + eps) rounded to the model dtype, times the weight, rounded.
-// Only the order in which the squares are summed differs (8 partial sums), a float32 rounding.
+// Only the order in which the squares are summed differs (8 partial sums), a float32 rounding:
+// hidden by the last rounding to a 16-bit dtype most of the time, a few float32 roundings in a
+// float32 model (greedy tokens still Hugging Face's: tests/test_correctness_hf.py).
 //
 // x, residual: [num_tokens, hidden] (residual may be empty: the first norm); weight: [hidden].
 // Returns (normed, x + residual) in x's dtype.
 //
 // silu_and_mul: the MLP's act(gate) * up from the fused gate_up projection, one pass instead of a
 // split, a SiLU and a multiply (three passes over [num_tokens, 2 x intermediate]).
+//
+// rotary_write_kv: below.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,7 +69,8 @@ void add_rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [num_tokens, hidden]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x: bfloat16 or float16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x: float32, bfloat16 or float16");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1) && weight.is_contiguous(),
               "weight: [hidden] of x's dtype");
   const bool has_residual = residual.numel() > 0;
@@ -79,7 +84,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     add_rms_norm_rows<T>(x.data_ptr<T>(), has_residual ? residual.data_ptr<T>() : nullptr, weight.data_ptr<T>(),
                          out.data_ptr<T>(), summed.data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
   };
-  if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
   else run(c10::Half{});
   return {out, summed};
 }
@@ -93,6 +99,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // qkv: [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]; cos, signed_sin: [num_tokens, head_dim];
 // slot_mapping: [num_tokens] int64; k_cache / v_cache: [num_blocks, block_size, num_kv_heads,
 // head_dim] of the model dtype. Returns queries [num_tokens, num_heads, head_dim].
+// Each product rounded before the sum, in float32 too: no fused multiply-add here.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 template <typename T>
 inline T rotate(T x, T rolled, T cos, T signed_sin) {
   const T a = static_cast<T>(static_cast<float>(x) * static_cast<float>(cos));
@@ -123,11 +132,13 @@ void rotary_write_kv_rows(const T* qkv, const T* cos, const T* sin, const int64_
   });
 }
 
+#pragma GCC pop_options
+
 at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& slot_mapping, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            int64_t num_heads, int64_t num_kv_heads) {
   const auto dtype = qkv.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "qkv: bfloat16 or float16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "qkv: float32, bfloat16 or float16");
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv: contiguous [num_tokens, row]");
   const int64_t num_tokens = qkv.size(0), head_dim = k_cache.size(3);
   TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv: row size");
@@ -150,12 +161,13 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                             k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), num_tokens, num_heads, num_kv_heads,
                             head_dim);
   };
-  if (dtype == at::kBFloat16) run(c10::BFloat16{});
+  if (dtype == at::kFloat) run(float{});
+  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
   else run(c10::Half{});
   return q;
 }
 
-// silu(gate) * up as Hugging Face's LlamaMLP computes it in a 16-bit dtype: SiLU in float32
+// silu(gate) * up as Hugging Face's LlamaMLP computes it in the model dtype: SiLU in float32
 // (x * sigmoid(x), sigmoid from exp(-|x|) so the exponent is never positive), rounded to the
 // dtype, times up in float32, rounded. gate_up: [num_tokens, 2 * intermediate], gate first.
 template <typename T>
@@ -179,12 +191,15 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t num_rows, int64_t inter
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const auto dtype = gate_up.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "gate_up: bfloat16 or float16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "gate_up: float32, bfloat16 or float16");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up: contiguous [num_tokens, 2 * intermediate]");
   const int64_t intermediate = gate_up.size(1) / 2;
   at::Tensor out = at::empty({gate_up.size(0), intermediate}, gate_up.options());
-  if (dtype == at::kBFloat16)
+  if (dtype == at::kFloat)
+    silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), intermediate);
+  else if (dtype == at::kBFloat16)
     silu_and_mul_rows(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), gate_up.size(0), intermediate);
   else
     silu_and_mul_rows(gate_up.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), gate_up.size(0), intermediate);
