@@ -273,3 +273,59 @@ def test_argmax_equals_torch_argmax_with_ties_infinities_and_nan(vocab):
     assert torch.equal(cpu_kernel.argmax(logits), logits.argmax(dim=-1))
     half = logits[:, : max(1, vocab // 2)].contiguous()
     assert torch.equal(cpu_kernel.argmax(half), half.argmax(dim=-1))
+
+
+def _few_rows_available(dtype: torch.dtype) -> bool:
+    name = str(dtype).removeprefix("torch.")
+    return cpu_kernel.is_built() and torch.ops.pagedllm.few_rows_linear_available(name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_few_rows_linear_equals_the_exact_product_rounded_once(dtype, rows, with_bias):
+    """x @ W.T + b against the product in float64: float32 within float32 summing error; bfloat16
+    within one bfloat16 rounding of it (the kernel sums in float32, rounds once). 7 panels of 16
+    columns: every grouping of panels (4, 3, 2, 1) runs; rows past a tile's 8 (or 6) too."""
+    if not _few_rows_available(dtype):
+        pytest.skip(f"this CPU build has no few-rows kernel for {dtype}")
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 16 * 7, 576
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    got = cpu_kernel.few_rows_linear(x, cpu_kernel.pack_few_rows(weight), bias)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    else:
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp(min=1e-2)
+        assert ((got.double() - exact).abs() <= ulp).all()
+
+
+def test_few_rows_linear_rejects_a_weight_it_cannot_pack():
+    if not cpu_kernel.is_built():
+        pytest.skip("no CPU kernel build")
+    assert not cpu_kernel.serves_few_rows_linear(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 % 16
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_kernel.pack_few_rows(torch.zeros(24, 64, dtype=torch.bfloat16))
+
+
+def test_linear_takes_the_few_rows_kernel_for_decode_steps_and_onednn_for_prefill():
+    """Where the CPU serves bfloat16 (AVX512-BF16), a packed Linear answers a decode-sized batch
+    through few_rows_linear and a prompt-sized one through oneDNN: the two agree within bfloat16
+    rounding."""
+    from pagedllm.model.linear import Linear
+
+    layer = Linear(576, 960, bias=False).to(torch.bfloat16)
+    if not cpu_kernel.serves_few_rows_linear(layer.weight):
+        pytest.skip("this CPU has no few-rows kernel for bfloat16")
+    plain = layer.weight.detach().clone()
+    assert layer.pack_weight() == plain.numel() * 2
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
+    exact = x.double() @ plain.double().T
+    tolerance = 2 * torch.finfo(torch.bfloat16).eps * exact.abs().clamp(min=1e-2)
+    for rows in (4, 200):  # few_rows_linear, then oneDNN
+        assert ((layer(x[:rows]).double() - exact[:rows]).abs() <= tolerance[:rows]).all()

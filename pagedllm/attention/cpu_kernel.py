@@ -1,6 +1,6 @@
 """The CPU kernels (csrc/: paged attention; residual add + RMSNorm, rotary +
-KV-cache write and SiLU-and-multiply; greedy sampling's argmax), compiled on first use into one
-library.
+KV-cache write and SiLU-and-multiply; bfloat16 projections of a few rows; greedy sampling's
+argmax), compiled on first use into one library.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
 CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "argmax_cpu.cpp")
+    for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "few_rows_linear_cpu.cpp", "argmax_cpu.cpp")
 ]
 _CACHE_DTYPES = {
     torch.float32,
@@ -172,3 +172,32 @@ def serves_rotary_write_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.dtype == qkv.dtype
         and is_built()
     )
+
+
+def serves_few_rows_linear(weight: torch.Tensor) -> bool:
+    """Whether few_rows_linear takes this [N, K] weight on this CPU: bfloat16 with AVX512-BF16
+    (N a multiple of 16, K even); float32 with AVX2 but no AVX-512, where oneDNN's AVX-512
+    kernels are the better choice (N a multiple of 8)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not is_built():
+        return False
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return n % 16 == 0 and k % 2 == 0 and torch.ops.pagedllm.few_rows_linear_available("bfloat16")
+    return (
+        weight.dtype == torch.float32
+        and n % 8 == 0
+        and "avx512f" not in cpu_flags()
+        and torch.ops.pagedllm.few_rows_linear_available("float32")
+    )
+
+
+def pack_few_rows(weight: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight as few_rows_linear reads it: panels of output columns (16 bfloat16 / 8
+    float32), their inputs one after the other (bfloat16 in pairs, as int32)."""
+    return torch.ops.pagedllm.pack_few_rows(weight)
+
+
+def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) for the few rows of a decode step, [M, K] -> [M, N] in x's dtype,
+    streaming the packed weight once (csrc/few_rows_linear_cpu.cpp)."""
+    return torch.ops.pagedllm.few_rows_linear(x, packed, x.new_empty(0) if bias is None else bias)
