@@ -176,13 +176,18 @@ def serves_rotary_write_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def serves_few_rows_linear(weight: torch.Tensor) -> bool:
     """Whether few_rows_linear takes this [N, K] weight on this CPU: bfloat16 with AVX512-BF16
-    (N a multiple of 16, K even); float32 with AVX2 but no AVX-512, where oneDNN's AVX-512
-    kernels are the better choice (N a multiple of 8)."""
+    but no AMX, whose tiles oneDNN uses (N a multiple of 16, K even); float32 with AVX2 but no
+    AVX-512, where oneDNN's AVX-512 kernels are the better choice (N a multiple of 8)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not is_built():
         return False
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
-        return n % 16 == 0 and k % 2 == 0 and torch.ops.pagedllm.few_rows_linear_available("bfloat16")
+        return (
+            n % 16 == 0
+            and k % 2 == 0
+            and "amx_bf16" not in cpu_flags()
+            and torch.ops.pagedllm.few_rows_linear_available("bfloat16")
+        )
     return (
         weight.dtype == torch.float32
         and n % 8 == 0
@@ -198,6 +203,7 @@ def pack_few_rows(weight: torch.Tensor) -> torch.Tensor:
 
 
 def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) for the few rows of a decode step, [M, K] -> [M, N] in x's dtype,
-    streaming the packed weight once (csrc/few_rows_linear_cpu.cpp)."""
+    """x @ W.T (+ bias), [M, K] -> [M, N] in x's dtype, from the packed weight: made for the few
+    rows of a decode step (the weight streamed once), as fast as oneDNN for more
+    (csrc/few_rows_linear_cpu.cpp)."""
     return torch.ops.pagedllm.few_rows_linear(x, packed, x.new_empty(0) if bias is None else bias)

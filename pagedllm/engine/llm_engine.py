@@ -370,7 +370,11 @@ class LLMEngine:
             f" on rank 0 of {self.executor.tp_size}" if self.executor.tp_size > 1 else "",
             str(self.worker.dtype).split(".")[-1],
             device,
-            _packed_copies(self.worker.tied_copy_bytes, self.worker.decode_copy_bytes),
+            (
+                f", plus {self.worker.packed_copy_bytes / 2**30:.2f} GiB for the tied lm_head's packed copy"
+                if self.worker.packed_copy_bytes
+                else ""
+            ),
         )
         logger.info(
             "Available KV cache memory: %.2f GiB%s",
@@ -404,13 +408,3 @@ class LLMEngine:
             f"{plan.max_model_len:,}",
             plan.max_concurrency,
         )
-
-
-def _packed_copies(tied_copy_bytes: int, decode_copy_bytes: int) -> str:
-    """The start-up line's account of weights held twice (linear.py says why)."""
-    parts = []
-    if tied_copy_bytes:
-        parts.append(f"{tied_copy_bytes / 2**30:.2f} GiB for the tied lm_head's oneDNN copy")
-    if decode_copy_bytes:
-        parts.append(f"{decode_copy_bytes / 2**30:.2f} GiB for the weights packed again for decode steps")
-    return "".join(f", plus {part}" for part in parts)

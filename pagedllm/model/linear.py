@@ -11,12 +11,13 @@ the lm_head 1.2-3.7x), and faster at every size up to 256 rows.
 Unpacked, few-row products (decode steps) go as W @ Xᵀ, which MKL streams from memory
 better than X @ Wᵀ; from about a hundred rows on the usual orientation is as fast or faster.
 
-The rows of a decode step (up to 128) go instead through cpu_kernel.few_rows_linear, from a
-second copy of the weight packed for it, in bfloat16 on a CPU with AVX512-BF16 and in float32 on
-an AVX2 CPU without AVX-512: it streams the weight at close to the machine's bandwidth where
-oneDNN reaches about two thirds of it, and keeps its sums in registers as the rows grow.
-SmolLM2's 30 layers on AMD Zen 5: bfloat16 1.2-1.4x faster from 1 to 48 rows, 1.1-1.2x to 128;
-float32 restricted to AVX2, 1.1-1.7x to 48 rows, 1.06-1.09x to 128 (docs/benchmarks.md).
+Where cpu_kernel.few_rows_linear serves the CPU and dtype (bfloat16 with AVX512-BF16 but no
+AMX; float32 with AVX2 but no AVX-512), the weight is packed for it instead, and it computes
+every product: it streams the weight at close to the machine's bandwidth where oneDNN reaches
+about two thirds of it, and keeps its sums in registers as the rows grow, about oneDNN's speed
+for prompts. SmolLM2's 30 layers on AMD Zen 5, against oneDNN: bfloat16 1.2-1.4x faster from 1
+to 48 rows, 1.1-1.2x to 128, 1.0-1.06x to 2,048; float32 restricted to AVX2, 1.1-1.7x to 48 rows,
+1.02-1.09x beyond (docs/benchmarks.md). On AMX, oneDNN's tiles are left to it (not measured).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pagedllm.attention import cpu_kernel
 from pagedllm.cpu_features import has_fast_bf16
 
 _FEW_ROWS = 96
-_DECODE_ROWS = 128  # up to here few_rows_linear beats oneDNN (measured: 1 to 256 rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,22 +56,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    few_rows_weight: torch.Tensor | None = None
-    """The weight packed for cpu_kernel.few_rows_linear, where that serves it (pack_weight)."""
+    few_rows = False
+    """The weight is packed for cpu_kernel.few_rows_linear (pack_weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows_weight is not None and x.shape[0] <= _DECODE_ROWS:
-            return cpu_kernel.few_rows_linear(x, self.few_rows_weight, self.bias)
+        if self.few_rows:
+            return cpu_kernel.few_rows_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
-    def pack_weight(self, few_rows: bool = True) -> int:
-        """Replace the weight by its packed copy, and (if few_rows) pack the decode steps' copy
-        where few_rows_linear serves it. A weight shared with another module (a tied lm_head) is
-        copied instead, so the other module keeps its plain tensor. Returns the bytes of the
-        decode steps' copy (0 without one)."""
-        if few_rows and self.few_rows_weight is None and cpu_kernel.serves_few_rows_linear(self.weight):
-            self.few_rows_weight = cpu_kernel.pack_few_rows(self.weight.detach())
-        if can_pack(self.weight) and self.weight.layout != torch._mkldnn:
+    def pack_weight(self) -> None:
+        """Replace the weight by its packed copy: for few_rows_linear where that serves this CPU
+        and dtype, else for oneDNN where that pays. A weight shared with another module (a tied
+        lm_head) is copied instead, so the other module keeps its plain tensor."""
+        if self.few_rows or self.weight.layout == torch._mkldnn:
+            return
+        if cpu_kernel.serves_few_rows_linear(self.weight):
+            self.weight = nn.Parameter(cpu_kernel.pack_few_rows(self.weight.detach()), requires_grad=False)
+            self.few_rows = True
+        elif can_pack(self.weight):
             self.weight = nn.Parameter(pack(self.weight), requires_grad=False)
-        copy = self.few_rows_weight
-        return 0 if copy is None else copy.numel() * copy.element_size()

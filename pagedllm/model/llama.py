@@ -158,11 +158,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def pack_weights(self) -> tuple[int, int]:
-        """Pack every projection for oneDNN where that pays, and for decode steps where
-        few_rows_linear serves it (linear.py). Returns the bytes this adds: (a tied lm_head's own
-        oneDNN copy, since the embedding lookup needs the plain one; the decode steps' copies)."""
-        tied_copy = decode_copies = 0
+    def pack_weights(self) -> int:
+        """Pack every projection for the few-rows kernel or oneDNN, where that pays (linear.py).
+        Returns the bytes this adds: a tied lm_head gets its own packed copy, since the embedding
+        lookup needs the plain one."""
+        added = 0
         computes_head = self.tp is None or self.tp.is_driver or self.vocab_parallel
         for module in self.modules():
             if module is self.lm_head and not computes_head:
@@ -170,12 +170,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 shared = module is self.lm_head and self.config.tie_word_embeddings
                 before = module.weight
-                # a float32 lm_head is as fast through oneDNN: no second copy of the vocabulary
-                few_rows = not (module is self.lm_head and before.dtype == torch.float32)
-                decode_copies += module.pack_weight(few_rows)
+                module.pack_weight()
                 if shared and module.weight is not before:
-                    tied_copy += before.numel() * before.element_size()
-        return tied_copy, decode_copies
+                    added += before.numel() * before.element_size()
+        return added
 
     def forward(
         self,

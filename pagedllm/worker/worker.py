@@ -60,8 +60,7 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model: LlamaForCausalLM | None = None
-        self.tied_copy_bytes = 0  # a tied lm_head's oneDNN copy, beside the embedding it shares
-        self.decode_copy_bytes = 0  # weights packed a second time, for decode steps (linear.py)
+        self.packed_copy_bytes = 0  # a tied lm_head's packed copy, beside the embedding it shares
         self.runner: ModelRunner | None = None
         self.kv_cache_plan: KVCachePlan | None = None
         self.cpu_threads = (
@@ -72,7 +71,7 @@ class Worker:
     def weights_bytes(self) -> int:
         """The model's weights, each counted once (what the planner computes from the config)."""
         assert self.model is not None
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) - self.tied_copy_bytes
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) - self.packed_copy_bytes
 
     def load_model(self, max_position: int) -> None:
         if self.cpu_threads is not None:
@@ -81,7 +80,7 @@ class Worker:
         self.model = load_model(
             self.model_folder, self.model_config, self.dtype, self.device, max_position, self.tp
         )
-        self.tied_copy_bytes, self.decode_copy_bytes = self.model.pack_weights()
+        self.packed_copy_bytes = self.model.pack_weights()
 
     def plan_kv_cache(self, max_model_len: int) -> KVCachePlan:
         """This rank's cache: its budget in blocks of its share of the KV heads; with tensor
