@@ -10,7 +10,7 @@
 #   bash benchmarks/avx2_restricted.sh 1048301 HEAD -- --workload ../shared/workloads/mixed.jsonl
 #
 # Each commit is checked out in a temporary worktree (removed at the end), its kernels built in
-# its own extension folder (the first run of each builds them: ~30 s), then `pagedllm bench
+# a temporary extension folder of its own (~30 s each run), then `pagedllm bench
 # throughput --dtype float32 --skip-naive --decode-tokens 0` runs from the repository with the
 # arguments given (python -P: the worktree's package, not the checkout's).
 set -euo pipefail
@@ -24,20 +24,29 @@ args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(--workload "$repo/../shared/workloads/mixed.jsonl")
 work=$(mktemp -d)
 cleanup() {
-  for tree in "$work"/tree-*; do [[ -d $tree ]] && git -C "$repo" worktree remove --force "$tree"; done
+  for tree in "$work"/tree-*; do [[ -d $tree ]] && { git -C "$repo" worktree remove --force "$tree" || true; }; done
   rm -rf "$work"
+  git -C "$repo" worktree prune
 }
 trap cleanup EXIT
 
 export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), restricted to AVX2 (znver3 kernels)"
+if [[ $(git -C "$repo" rev-parse "$old") == $(git -C "$repo" rev-parse "$new") ]]; then
+  echo "OLD_COMMIT and NEW_COMMIT are the same commit" >&2
+  exit 2
+fi
 for commit in "$old" "$new"; do
   sha=$(git -C "$repo" rev-parse --short "$commit")
   tree=$work/tree-$sha
   git -C "$repo" worktree add --quiet --detach "$tree" "$sha"
   kernel=$tree/pagedllm/attention/cpu_kernel.py
   # our kernels for Zen 3, under their own name; the float32 kernel choices an AVX2-only host makes
-  sed -i 's/-march=native/-march=znver3/; s/"pagedllm_cpu/"pagedllm_avx2_restricted/; s/and "avx512f" not in cpu_flags()/and True/' "$kernel"
+  sed -i 's/-march=native/-march=znver3/; s/"pagedllm_cpu/"pagedllm_avx2_restricted/' "$kernel"
+  if ! grep -q -- "-march=znver3" "$kernel" || ! grep -q '"pagedllm_avx2_restricted' "$kernel"; then
+    echo "$commit: its cpu_kernel.py does not build the way this script expects; not measured" >&2
+    exit 1
+  fi
   echo "== $commit ($sha)"
   (cd "$repo" && TORCH_EXTENSIONS_DIR=$work/extensions-$sha PYTHONPATH=$tree .venv/bin/python -P -m pagedllm bench throughput \
     --dtype float32 --skip-naive --decode-tokens 0 "${args[@]}")

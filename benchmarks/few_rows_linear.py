@@ -84,6 +84,15 @@ def main() -> None:
                 time_calls(fn, [(head_input, lm_head)], repeats),
             )
         (dnn_layers, dnn_head), (few_layers, few_head) = times["oneDNN"], times["few_rows_linear"]
+        (dnn, _), (few, _) = paths["oneDNN"], paths["few_rows_linear"]
+        x0 = inputs[LAYER_SHAPES[0][1]]
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4  # the two sum in different orders
+        torch.testing.assert_close(
+            few(x0, packed["few_rows_linear"][0][0]),
+            dnn(x0, packed["oneDNN"][0][0]),
+            rtol=tolerance,
+            atol=tolerance,
+        )
         layers_cells = f"{dnn_layers * 1e3:.2f} | {few_layers * 1e3:.2f} | **{dnn_layers / few_layers:.2f}x**"
         head_cells = f"{dnn_head * 1e3:.2f} | {few_head * 1e3:.2f} | **{dnn_head / few_head:.2f}x**"
         print(f"| {rows} | {layers_cells} | {head_cells} |")

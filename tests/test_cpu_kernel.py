@@ -283,14 +283,15 @@ def _few_rows_available(dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_few_rows_linear_equals_the_exact_product_rounded_once(dtype, rows, with_bias):
+@pytest.mark.parametrize(("n", "k"), [(112, 576), (208, 64)])
+def test_few_rows_linear_equals_the_exact_product_rounded_once(dtype, rows, with_bias, n, k):
     """x @ W.T + b against the product in float64: float32 within float32 summing error; bfloat16
-    within one bfloat16 rounding of it (the kernel sums in float32, rounds once). 7 panels of 16
-    columns: every grouping of panels (4, 3, 2, 1) runs; rows past a tile's 8 (or 6) too."""
+    within one bfloat16 rounding of it (the kernel sums in float32, rounds once). 7, 13, 14 or 26
+    panels (16 or 8 columns each): every grouping of panels the kernel makes, down to a lone
+    panel, runs; so do rows past a tile's 8 (or 6)."""
     if not _few_rows_available(dtype):
         pytest.skip(f"this CPU build has no few-rows kernel for {dtype}")
     gen = torch.Generator().manual_seed(rows)
-    n, k = 16 * 7, 576
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
@@ -302,6 +303,25 @@ def test_few_rows_linear_equals_the_exact_product_rounded_once(dtype, rows, with
     else:
         ulp = torch.finfo(dtype).eps * exact.abs().clamp(min=1e-2)
         assert ((got.double() - exact).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_linear_gives_a_row_the_same_bits_whatever_rows_share_the_call(dtype):
+    """Each output is its row's own sum in a fixed order: batching never changes a token's result
+    (as with the attention kernel), from a lone row to a prompt of 37 (an odd bfloat16 offset too)."""
+    if not _few_rows_available(dtype):
+        pytest.skip(f"this CPU build has no few-rows kernel for {dtype}")
+    gen = torch.Generator().manual_seed(7)
+    packed = cpu_kernel.pack_few_rows((torch.randn(112, 576, generator=gen) * 0.05).to(dtype))
+    x = torch.randn(38, 576, generator=gen).to(dtype)
+    together = cpu_kernel.few_rows_linear(x[1:], packed, None)
+    odd_offset = x.view(-1)[577 : 577 + 576].view(1, 576)  # starts one element into row 1
+    for i in (0, 5, 36):
+        assert torch.equal(cpu_kernel.few_rows_linear(x[1 + i : 2 + i], packed, None), together[i : i + 1])
+    assert torch.equal(
+        cpu_kernel.few_rows_linear(odd_offset, packed, None),
+        cpu_kernel.few_rows_linear(odd_offset.clone(), packed, None),
+    )
 
 
 def test_few_rows_linear_rejects_a_weight_it_cannot_pack():

@@ -1,6 +1,6 @@
 """The CPU kernels (csrc/: paged attention; residual add + RMSNorm, rotary +
-KV-cache write and SiLU-and-multiply; bfloat16 projections of a few rows; greedy sampling's
-argmax), compiled on first use into one library.
+KV-cache write and SiLU-and-multiply; projections from weights packed for decode steps; greedy
+sampling's argmax), compiled on first use into one library.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
 CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
@@ -175,30 +175,23 @@ def serves_rotary_write_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def serves_few_rows_linear(weight: torch.Tensor) -> bool:
-    """Whether few_rows_linear takes this [N, K] weight on this CPU: bfloat16 with AVX512-BF16
-    but no AMX, whose tiles oneDNN uses (N a multiple of 16, K even); float32 with AVX2 but no
-    AVX-512, where oneDNN's AVX-512 kernels are the better choice (N a multiple of 8)."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not is_built():
+    """Whether few_rows_linear takes this [N, K] weight on this CPU (N a multiple of 16): bfloat16
+    with AVX512-BF16 but no AMX, whose tiles stay with oneDNN (K even); float32 with AVX2 + FMA
+    (AVX-512 where the CPU has it)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 16 or not is_built():
         return False
-    n, k = weight.shape
     if weight.dtype == torch.bfloat16:
         return (
-            n % 16 == 0
-            and k % 2 == 0
+            weight.shape[1] % 2 == 0
             and "amx_bf16" not in cpu_flags()
             and torch.ops.pagedllm.few_rows_linear_available("bfloat16")
         )
-    return (
-        weight.dtype == torch.float32
-        and n % 8 == 0
-        and "avx512f" not in cpu_flags()
-        and torch.ops.pagedllm.few_rows_linear_available("float32")
-    )
+    return weight.dtype == torch.float32 and torch.ops.pagedllm.few_rows_linear_available("float32")
 
 
 def pack_few_rows(weight: torch.Tensor) -> torch.Tensor:
-    """The [N, K] weight as few_rows_linear reads it: panels of output columns (16 bfloat16 / 8
-    float32), their inputs one after the other (bfloat16 in pairs, as int32)."""
+    """The [N, K] weight as few_rows_linear reads it: panels of output columns (16; float32 on an
+    AVX2 CPU without AVX-512: 8), their inputs one after the other (bfloat16 in pairs, as int32)."""
     return torch.ops.pagedllm.pack_few_rows(weight)
 
 

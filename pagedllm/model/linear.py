@@ -56,7 +56,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    few_rows = False
+    few_rows: bool = False
     """The weight is packed for cpu_kernel.few_rows_linear (pack_weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

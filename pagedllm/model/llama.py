@@ -3,7 +3,9 @@
 All tokens of a step, from all requests, are one [num_tokens, hidden_size] matrix: no padding,
 no batch dimension. Only attention needs to know where one request ends and the next begins,
 and it learns that from AttentionMetadata. Numerics follow Hugging Face's implementation
-step by step (RMSNorm in float32, rotate-half RoPE) so float32 outputs match it.
+step by step (RMSNorm in float32, rotate-half RoPE) so float32 outputs match it: bit for bit in
+PyTorch ops; on CPU, where the C++ passes and kernels sum in their own order, within a few float32
+roundings, and greedy tokens the same (tests/test_correctness_hf.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = residual + x
         residual = x
-        if x.dtype == torch.float32:  # one fused kernel, bit-identical to the steps below in float32
+        if x.dtype == torch.float32:  # one fused kernel, bit-identical to the steps below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps), residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,20 +1,21 @@
-// A linear layer for the few rows of a decode step, on CPU: bfloat16 on CPUs with AVX512-BF16,
-// float32 with AVX2 + FMA.
+// A linear layer built for the few rows of a decode step, on CPU: bfloat16 on CPUs with
+// AVX512-BF16, float32 with AVX2 + FMA (AVX-512 where the build has it).
 //
 // A decode step multiplies a handful of activation rows by every weight of the model: the time
 // goes into streaming the weights from memory, and a general GEMM (oneDNN) reaches about two
 // thirds of the machine's bandwidth there, less as the rows grow. Here the weight is packed once,
-// at load, into panels of output columns (16 for bfloat16, 8 for float32) whose inputs lie one
+// at load, into panels of output columns (16; float32 with AVX2 only: 8) whose inputs lie one
 // after the other: a step reads each panel front to back, one load per input (a pair of inputs
 // for bfloat16) for all the panel's columns. Each load feeds one multiply-add per activation row
 // (the row's input broadcast; for bfloat16 a dpbf16ps: products of bfloat16 pairs summed in
 // float32), one output column per lane, no sums across lanes. Several rows and panels share the
 // loads, their sums in registers; more rows go a tile at a time over the same panels while they
-// are still in cache. Each output is summed over its inputs in order, in float32, then gets its
-// bias and (bfloat16) is rounded once, as oneDNN does it, in another order.
+// are still in cache (prompts too: about oneDNN's speed there). Each output is its row's sum over
+// the inputs in order, in float32, whatever other rows share the call; then its bias, and for
+// bfloat16 one rounding, as oneDNN does it, in another order.
 //
 // pack_few_rows(weight [N, K]) -> bfloat16: [N / 16, K / 2, 16] int32 (pairs; N % 16 == 0, K even);
-//                                 float32: [N / 8, K, 8] float32 (N % 8 == 0).
+//                                 float32: [N / C, K, C] float32 (C = 16, or 8 with AVX2 only; N % C == 0).
 // few_rows_linear(x [M, K], packed, bias [N] or empty) -> [M, N], in x's dtype.
 
 #include <ATen/ATen.h>
@@ -32,7 +33,12 @@
 #else
 #define PAGEDLLM_FEW_ROWS_F32 0
 #endif
-#if PAGEDLLM_FEW_ROWS_F32 && defined(__AVX512F__) && defined(__AVX512BF16__)
+#if PAGEDLLM_FEW_ROWS_F32 && defined(__AVX512F__)
+#define PAGEDLLM_FEW_ROWS_AVX512 1
+#else
+#define PAGEDLLM_FEW_ROWS_AVX512 0
+#endif
+#if PAGEDLLM_FEW_ROWS_AVX512 && defined(__AVX512BF16__)
 #define PAGEDLLM_FEW_ROWS_BF16 1
 #else
 #define PAGEDLLM_FEW_ROWS_BF16 0
@@ -49,7 +55,7 @@ bool available(const std::string& dtype) {
 }
 
 // Output columns per panel and inputs per step of the packed layout.
-int64_t panel_columns(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : 8; }
+int64_t panel_columns(at::ScalarType dtype) { return dtype == at::kBFloat16 || PAGEDLLM_FEW_ROWS_AVX512 ? 16 : 8; }
 int64_t inputs_per_step(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
 
 at::Tensor pack_few_rows(const at::Tensor& weight) {
@@ -76,7 +82,33 @@ struct TileArgs {
   int64_t out_stride;
 };
 
-#if PAGEDLLM_FEW_ROWS_F32
+#if PAGEDLLM_FEW_ROWS_AVX512
+// float32 with AVX-512: panels of 16 columns, as tile_bf16 without the pairs
+template <int M, int P>
+void tile_f32(const TileArgs<float>& a) {
+  const float* x = static_cast<const float*>(a.x);
+  const float* panels = static_cast<const float*>(a.panels);
+  __m512 acc[M][P];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < P; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.steps; ++k) {
+    __m512 w[P];
+    for (int j = 0; j < P; ++j) {
+      const float* at = panels + j * a.panel_stride + k * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(at + 16 * 16), _MM_HINT_T0);  // 1 KiB ahead
+      w[j] = _mm512_loadu_ps(at);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * a.x_stride + k]);
+      for (int j = 0; j < P; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+    }
+  }
+  for (int j = 0; j < P; ++j) {
+    const __m512 b = a.bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(a.bias + j * 16);
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(a.out + m * a.out_stride + j * 16, _mm512_add_ps(acc[m][j], b));
+  }
+}
+#elif PAGEDLLM_FEW_ROWS_F32
 template <int M, int P>
 void tile_f32(const TileArgs<float>& a) {
   const float* x = static_cast<const float*>(a.x);
@@ -112,7 +144,7 @@ inline __m512bh as_bf16x32(__m512i x) {
 
 template <int M, int P>
 void tile_bf16(const TileArgs<c10::BFloat16>& a) {
-  const int32_t* x = static_cast<const int32_t*>(a.x);
+  const char* x = static_cast<const char*>(a.x);  // rows of pairs, not always 4-byte aligned
   const int32_t* panels = static_cast<const int32_t*>(a.panels);
   __m512 acc[M][P];
   for (int m = 0; m < M; ++m)
@@ -125,7 +157,9 @@ void tile_bf16(const TileArgs<c10::BFloat16>& a) {
       w[j] = as_bf16x32(_mm512_loadu_si512(at));
     }
     for (int m = 0; m < M; ++m) {
-      const __m512bh xb = as_bf16x32(_mm512_set1_epi32(x[m * a.x_stride + p]));
+      int32_t pair;
+      std::memcpy(&pair, x + (m * a.x_stride + p) * 4, sizeof(pair));
+      const __m512bh xb = as_bf16x32(_mm512_set1_epi32(pair));
       for (int j = 0; j < P; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
     }
   }
@@ -148,53 +182,59 @@ void tile_bf16(const TileArgs<c10::BFloat16>& a) {
 struct Bf16Tiles {
   using T = c10::BFloat16;
   static constexpr int64_t kCols = 16, kTileRows = 8, kFewRows = 4, kWide = 4, kNarrow = 3;
-  template <int P>
-  static void run(int64_t m, const TileArgs<T>& a) {
+  template <int M, int P>
+  static void tile(const TileArgs<T>& a) {
 #if PAGEDLLM_FEW_ROWS_BF16
-    switch (m) {
-      case 1: tile_bf16<1, P>(a); break;
-      case 2: tile_bf16<2, P>(a); break;
-      case 3: tile_bf16<3, P>(a); break;
-      case 4: tile_bf16<4, P>(a); break;
-      case 5: tile_bf16<5, P>(a); break;
-      case 6: tile_bf16<6, P>(a); break;
-      case 7: tile_bf16<7, P>(a); break;
-      default: tile_bf16<8, P>(a);
-    }
+    tile_bf16<M, P>(a);
 #else
-    (void)m, (void)a;
+    (void)a;
 #endif
   }
 };
 
 struct F32Tiles {
   using T = float;
-  static constexpr int64_t kCols = 8, kTileRows = 6, kFewRows = 4, kWide = 3, kNarrow = 2;
-  template <int P>
-  static void run(int64_t m, const TileArgs<T>& a) {
-#if PAGEDLLM_FEW_ROWS_F32
-    switch (m) {
-      case 1: tile_f32<1, P>(a); break;
-      case 2: tile_f32<2, P>(a); break;
-      case 3: tile_f32<3, P>(a); break;
-      case 4: tile_f32<4, P>(a); break;
-      case 5: tile_f32<5, P>(a); break;
-      default: tile_f32<6, P>(a);
-    }
+#if PAGEDLLM_FEW_ROWS_AVX512
+  static constexpr int64_t kCols = 16, kTileRows = 8, kFewRows = 4, kWide = 4, kNarrow = 3;
 #else
-    (void)m, (void)a;
+  static constexpr int64_t kCols = 8, kTileRows = 6, kFewRows = 4, kWide = 3, kNarrow = 2;
+#endif
+  template <int M, int P>
+  static void tile(const TileArgs<T>& a) {
+#if PAGEDLLM_FEW_ROWS_F32
+    tile_f32<M, P>(a);
+#else
+    (void)a;
 #endif
   }
 };
 
-// Threads take groups of panels; each group runs every row tile over its panels.
+// Tiles::tile<m, P>, for m = 1 .. M: only the shapes that run are compiled.
+template <typename Tiles, int P, int M>
+void tile_rows(int64_t m, const TileArgs<typename Tiles::T>& a) {
+  if constexpr (M > 1) {
+    if (m < M) return tile_rows<Tiles, P, M - 1>(m, a);
+  }
+  Tiles::template tile<M, P>(a);
+}
+
+// Threads take groups of panels, each running its row tiles over the group's panels (later
+// tiles read them from cache). Where there are fewer groups than about 4 per thread (a narrow
+// weight on many cores), the rows are split into blocks too, each block a task of its own.
 template <typename Tiles>
 void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& out) {
   using T = typename Tiles::T;
+  constexpr int64_t kTileRows = Tiles::kTileRows;
   const int64_t rows = x.size(0), num_panels = packed.size(0), steps = packed.size(1), n = out.size(1);
   const int64_t cols = Tiles::kCols, panel_stride = steps * cols;
-  const int64_t per_group = rows <= Tiles::kFewRows ? Tiles::kWide : Tiles::kNarrow;
+  const bool few = rows <= Tiles::kFewRows;
+  const int64_t per_group = few ? Tiles::kWide : Tiles::kNarrow;
   const int64_t num_groups = (num_panels + per_group - 1) / per_group;
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t wanted_tasks = 4 * at::get_num_threads();
+  const int64_t blocks = num_groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + num_groups - 1) / num_groups);
+  const int64_t block_rows = (row_tiles + blocks - 1) / blocks * kTileRows;
+  const int64_t num_blocks = (rows + block_rows - 1) / block_rows;
   const char* x_data = static_cast<const char*>(x.data_ptr());
   const int64_t x_row_bytes = x.size(1) * x.element_size();
   const int64_t x_stride = steps;  // in steps (a float, or a pair of bfloat16)
@@ -202,22 +242,24 @@ void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   const int64_t panel_bytes = panel_stride * packed.element_size();
   const T* bias_data = bias.numel() > 0 ? bias.data_ptr<T>() : nullptr;
   T* out_data = out.data_ptr<T>();
-  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
+  at::parallel_for(0, num_groups * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task % num_groups, block = task / num_groups;
       const int64_t first = g * per_group, count = std::min(per_group, num_panels - first);
-      for (int64_t r = 0; r < rows; r += Tiles::kTileRows) {  // later rows read the panels from cache
-        const int64_t m = std::min(Tiles::kTileRows, rows - r);
+      const int64_t block_end = std::min(rows, (block + 1) * block_rows);
+      for (int64_t r = block * block_rows; r < block_end; r += kTileRows) {
+        const int64_t m = std::min(kTileRows, block_end - r);
         for (int64_t done = 0; done < count;) {
           const int64_t panel = first + done, left = count - done;
           const TileArgs<T> args{x_data + r * x_row_bytes, x_stride, panels + panel * panel_bytes, panel_stride, steps,
                                  bias_data == nullptr ? nullptr : bias_data + panel * cols,
                                  out_data + r * n + panel * cols, n};
-          if (left >= Tiles::kWide && per_group == Tiles::kWide) {
-            Tiles::template run<Tiles::kWide>(m, args), done += Tiles::kWide;
+          if (few && left >= Tiles::kWide) {
+            tile_rows<Tiles, Tiles::kWide, Tiles::kFewRows>(m, args), done += Tiles::kWide;
           } else if (left >= Tiles::kNarrow) {
-            Tiles::template run<Tiles::kNarrow>(m, args), done += Tiles::kNarrow;
+            tile_rows<Tiles, Tiles::kNarrow, kTileRows>(m, args), done += Tiles::kNarrow;
           } else {
-            Tiles::template run<1>(m, args), done += 1;
+            tile_rows<Tiles, 1, kTileRows>(m, args), done += 1;
           }
         }
       }
