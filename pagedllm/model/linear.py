@@ -12,12 +12,13 @@ Unpacked, few-row products (decode steps) go as W @ Xᵀ, which MKL streams from
 better than X @ Wᵀ; from about a hundred rows on the usual orientation is as fast or faster.
 
 Where cpu_kernel.few_rows_linear serves the CPU and dtype (bfloat16 with AVX512-BF16 but no
-AMX; float32 with AVX2 but no AVX-512), the weight is packed for it instead, and it computes
-every product: it streams the weight at close to the machine's bandwidth where oneDNN reaches
-about two thirds of it, and keeps its sums in registers as the rows grow, about oneDNN's speed
-for prompts. SmolLM2's 30 layers on AMD Zen 5, against oneDNN: bfloat16 1.2-1.4x faster from 1
-to 48 rows, 1.1-1.2x to 128, 1.0-1.06x to 2,048; float32 restricted to AVX2, 1.1-1.7x to 48 rows,
-1.02-1.09x beyond (docs/benchmarks.md). On AMX, oneDNN's tiles are left to it (not measured).
+AMX; float32 with AVX2 or AVX-512), the weight is packed for it instead, and it computes every
+product: it streams the weight at close to the machine's bandwidth where oneDNN reaches about two
+thirds of it, and keeps its sums in registers as the rows grow, about oneDNN's speed for prompts.
+SmolLM2's 30 layers on AMD Zen 5 against oneDNN (benchmarks/few_rows_linear.py), 1 to 64 rows /
+128 to 2,048: bfloat16 1.16-1.30x / 0.98-1.11x; float32 1.17-1.60x / 0.96-1.07x; float32 held
+to AVX2 1.08-1.45x / 0.95-1.06x. The lm_head: 0.94-1.28x, 0.71x once (docs/benchmarks.md). On
+AMX, bfloat16 stays with oneDNN's tiles (not measured against the kernel).
 """
 
 from __future__ import annotations
