@@ -23,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -136,11 +138,7 @@ void tile_f32(const TileArgs<float>& a) {
 #endif
 
 #if PAGEDLLM_FEW_ROWS_BF16
-inline __m512bh as_bf16x32(__m512i x) {
-  __m512bh y;
-  std::memcpy(&y, &x, sizeof(y));
-  return y;
-}
+using pagedllm_cpu::as_bf16x32;
 
 template <int M, int P>
 void tile_bf16(const TileArgs<c10::BFloat16>& a) {

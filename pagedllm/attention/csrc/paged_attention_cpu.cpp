@@ -368,11 +368,7 @@ void widen_rows(const uint8_t* const* rows, int64_t n, int64_t head_dim, std::ve
 
 
 #if PAGEDLLM_AVX512BF16
-inline __m512bh as_bf16x32(__m512i x) {
-  __m512bh y;
-  std::memcpy(&y, &x, sizeof(y));
-  return y;
-}
+using pagedllm_cpu::as_bf16x32;
 
 // exp_nonpositive, 16 lanes at a time: the same clamp, rounding and polynomial (its last step
 // grouped as fma(p r, r, r + 1), so not always bit for bit the scalar's; each path uses only one).

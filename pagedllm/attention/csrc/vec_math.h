@@ -4,6 +4,11 @@
 #include <c10/util/bit_cast.h>
 
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace pagedllm_cpu {
 
@@ -24,5 +29,14 @@ inline float exp_nonpositive(float x) {
   p = p * r * r + r + 1.f;
   return p * c10::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// 32 bfloat16 values loaded as integers, as the type dpbf16ps takes (the same bits).
+inline __m512bh as_bf16x32(__m512i x) {
+  __m512bh y;
+  std::memcpy(&y, &x, sizeof(y));
+  return y;
+}
+#endif
 
 }  // namespace pagedllm_cpu
