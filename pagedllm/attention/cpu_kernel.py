@@ -199,4 +199,4 @@ def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     """x @ W.T (+ bias), [M, K] -> [M, N] in x's dtype, from the packed weight: made for the few
     rows of a decode step (the weight streamed once), as fast as oneDNN for more
     (csrc/few_rows_linear_cpu.cpp)."""
-    return torch.ops.pagedllm.few_rows_linear(x, packed, x.new_empty(0) if bias is None else bias)
+    return torch.ops.pagedllm.few_rows_linear(x, packed, bias)

@@ -16,7 +16,7 @@
 //
 // pack_few_rows(weight [N, K]) -> bfloat16: [N / 16, K / 2, 16] int32 (pairs; N % 16 == 0, K even);
 //                                 float32: [N / C, K, C] float32 (C = 16, or 8 with AVX2 only; N % C == 0).
-// few_rows_linear(x [M, K], packed, bias [N] or empty) -> [M, N], in x's dtype.
+// few_rows_linear(x [M, K], packed, bias [N] or None) -> [M, N], in x's dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -84,55 +85,55 @@ struct TileArgs {
   int64_t out_stride;
 };
 
+#if PAGEDLLM_FEW_ROWS_F32
+// The float32 tiles' registers: 16 lanes with AVX-512, else 8 (AVX2).
+struct F32Vector {
 #if PAGEDLLM_FEW_ROWS_AVX512
-// float32 with AVX-512: panels of 16 columns, as tile_bf16 without the pairs
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+#else
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V broadcast(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+#endif
+};
+
+// float32: as tile_bf16, one input per step instead of a pair
 template <int M, int P>
 void tile_f32(const TileArgs<float>& a) {
+  using Vec = F32Vector;
+  constexpr int64_t lanes = Vec::kLanes;
   const float* x = static_cast<const float*>(a.x);
   const float* panels = static_cast<const float*>(a.panels);
-  __m512 acc[M][P];
+  typename Vec::V acc[M][P];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < P; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < P; ++j) acc[m][j] = Vec::zero();
   for (int64_t k = 0; k < a.steps; ++k) {
-    __m512 w[P];
+    typename Vec::V w[P];
     for (int j = 0; j < P; ++j) {
-      const float* at = panels + j * a.panel_stride + k * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(at + 16 * 16), _MM_HINT_T0);  // 1 KiB ahead
-      w[j] = _mm512_loadu_ps(at);
+      const float* at = panels + j * a.panel_stride + k * lanes;
+      _mm_prefetch(reinterpret_cast<const char*>(at + 256), _MM_HINT_T0);  // 1 KiB ahead
+      w[j] = Vec::load(at);
     }
     for (int m = 0; m < M; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * a.x_stride + k]);
-      for (int j = 0; j < P; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+      const typename Vec::V xb = Vec::broadcast(x[m * a.x_stride + k]);
+      for (int j = 0; j < P; ++j) acc[m][j] = Vec::fma(xb, w[j], acc[m][j]);
     }
   }
   for (int j = 0; j < P; ++j) {
-    const __m512 b = a.bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(a.bias + j * 16);
-    for (int m = 0; m < M; ++m) _mm512_storeu_ps(a.out + m * a.out_stride + j * 16, _mm512_add_ps(acc[m][j], b));
-  }
-}
-#elif PAGEDLLM_FEW_ROWS_F32
-template <int M, int P>
-void tile_f32(const TileArgs<float>& a) {
-  const float* x = static_cast<const float*>(a.x);
-  const float* panels = static_cast<const float*>(a.panels);
-  __m256 acc[M][P];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < P; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < a.steps; ++k) {
-    __m256 w[P];
-    for (int j = 0; j < P; ++j) {
-      const float* at = panels + j * a.panel_stride + k * 8;
-      _mm_prefetch(reinterpret_cast<const char*>(at + 32 * 8), _MM_HINT_T0);  // 1 KiB ahead
-      w[j] = _mm256_loadu_ps(at);
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * a.x_stride + k);
-      for (int j = 0; j < P; ++j) acc[m][j] = _mm256_fmadd_ps(xb, w[j], acc[m][j]);
-    }
-  }
-  for (int j = 0; j < P; ++j) {
-    const __m256 b = a.bias == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(a.bias + j * 8);
-    for (int m = 0; m < M; ++m) _mm256_storeu_ps(a.out + m * a.out_stride + j * 8, _mm256_add_ps(acc[m][j], b));
+    const typename Vec::V b = a.bias == nullptr ? Vec::zero() : Vec::load(a.bias + j * lanes);
+    for (int m = 0; m < M; ++m) Vec::store(a.out + m * a.out_stride + j * lanes, Vec::add(acc[m][j], b));
   }
 }
 #endif
@@ -220,7 +221,7 @@ void tile_rows(int64_t m, const TileArgs<typename Tiles::T>& a) {
 // tiles read them from cache). Where there are fewer groups than about 4 per thread (a narrow
 // weight on many cores), the rows are split into blocks too, each block a task of its own.
 template <typename Tiles>
-void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& out) {
+void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* bias, at::Tensor& out) {
   using T = typename Tiles::T;
   constexpr int64_t kTileRows = Tiles::kTileRows;
   const int64_t rows = x.size(0), num_panels = packed.size(0), steps = packed.size(1), n = out.size(1);
@@ -238,7 +239,7 @@ void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   const int64_t x_stride = steps;  // in steps (a float, or a pair of bfloat16)
   const char* panels = static_cast<const char*>(packed.data_ptr());
   const int64_t panel_bytes = panel_stride * packed.element_size();
-  const T* bias_data = bias.numel() > 0 ? bias.data_ptr<T>() : nullptr;
+  const T* bias_data = bias == nullptr ? nullptr : bias->data_ptr<T>();
   T* out_data = out.data_ptr<T>();
   at::parallel_for(0, num_groups * num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -265,7 +266,7 @@ void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   });
 }
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat), "x: [M, K] bfloat16 or float32");
   TORCH_CHECK(few_rows_linear_available(dtype), "few_rows_linear: this build has no kernel for ", dtype);
@@ -274,13 +275,14 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed, const 
                   packed.is_contiguous() && packed.size(2) == cols && packed.size(1) * per_step == x.size(1),
               "packed: pack_few_rows of a [N, K] weight of x's dtype");
   const int64_t n = packed.size(0) * cols;
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.numel() == n && bias.is_contiguous()),
-              "bias: empty, or [N] of x's dtype");
+  const at::Tensor* b = bias.has_value() && bias->defined() && bias->numel() > 0 ? &*bias : nullptr;
+  TORCH_CHECK(b == nullptr || (b->scalar_type() == dtype && b->numel() == n && b->is_contiguous()),
+              "bias: None, or [N] of x's dtype");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-  if (dtype == at::kBFloat16) run_panels<Bf16Tiles>(xc, packed, bias, out);
-  else run_panels<F32Tiles>(xc, packed, bias, out);
+  if (dtype == at::kBFloat16) run_panels<Bf16Tiles>(xc, packed, b, out);
+  else run_panels<F32Tiles>(xc, packed, b, out);
   return out;
 }
 
@@ -290,6 +292,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("few_rows_linear_available(str dtype) -> bool", &available);
   m.def("pack_few_rows(Tensor weight) -> Tensor");
   m.impl("pack_few_rows", c10::DispatchKey::CPU, &pack_few_rows);
-  m.def("few_rows_linear(Tensor x, Tensor packed, Tensor bias) -> Tensor");
+  m.def("few_rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.impl("few_rows_linear", c10::DispatchKey::CPU, &few_rows_linear);
 }
