@@ -13,8 +13,20 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm import chat_template
 
+# Files transformers builds a tokenizer from: a serialized fast tokenizer, a SentencePiece model
+# (converted to a fast one through the sentencepiece package), or a BPE vocabulary with its config.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def load_tokenizer(folder: str | Path, chat_template_text: str | None = None) -> PreTrainedTokenizerBase:
+    """The folder's fast tokenizer. Checked here because transformers, given none of its files,
+    answers with advice to install sentencepiece or tiktoken, which does not help."""
+    folder = Path(folder)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no {' / '.join(TOKENIZER_FILES)} in {folder}; copy the tokenizer files of the model "
+            "there, or pass --tokenizer with a folder or hub name that has them"
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{folder}: pagedllm needs a fast (tokenizers-backed) tokenizer")
