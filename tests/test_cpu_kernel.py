@@ -22,6 +22,20 @@ def test_the_kernel_builds_here():
     assert cpu_kernel.is_built()  # CI machines have a compiler: a failed build must not pass silently
 
 
+def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch):
+    """Two trees with the same sources share one build; a tree whose sources differ (another
+    checkout, another branch) gets its own, instead of rebuilding over the other's at each start."""
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_kernel._CSRC, copy)
+    here = cpu_kernel.build_name()
+    monkeypatch.setattr(cpu_kernel, "_CSRC", copy)
+    assert cpu_kernel.build_name() == here
+    (copy / "vec_math.h").write_text((copy / "vec_math.h").read_text() + "\n// another tree\n")
+    assert cpu_kernel.build_name() != here
+
+
 def _random_case(seed: int, cache_dtype: str, num_seqs: int, group: int, head_dim: int, block_size: int):
     gen = torch.Generator().manual_seed(seed)
     num_kv_heads, num_blocks = 2, 64

@@ -3,11 +3,14 @@ KV-cache write and SiLU-and-multiply; projections from weights packed for decode
 sampling's argmax), compiled on first use into one library.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
-CPU (-march=native, so the build is named after the CPU's instruction sets), into torch's
-extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions); later processes
-load the cached library, and a changed source is rebuilt. `make setup` builds it once, so the
-first server start does not wait ~25 s. Where it cannot be built (no compiler), attention
-keeps the PyTorch path (gather + SDPA), with a warning.
+CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions). The library is named after everything that decides its bits: the
+CPU's instruction sets, the sources and headers, the flags, torch and Python. Two checkouts or
+virtualenvs on one machine therefore never overwrite each other's build (each would rebuild at
+every start otherwise), and identical trees share one. A build is announced with its time, since
+it takes about a minute. `make setup` builds it once, so the first server start does not wait.
+Where it cannot be built (no compiler), attention keeps the PyTorch path (gather + SDPA), with
+a warning.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import functools
 import hashlib
 import logging
 import platform
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,10 +29,13 @@ from pagedllm.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
+_CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name
+    _CSRC / name
     for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "few_rows_linear_cpu.cpp", "argmax_cpu.cpp")
 ]
+_CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 _CACHE_DTYPES = {
     torch.float32,
     torch.bfloat16,
@@ -39,12 +47,29 @@ _CACHE_DTYPES = {
 _QUERY_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
 
-def _cpu_tag() -> str:
-    """Names the build after this CPU's instruction sets: a -march=native build cached on another
-    machine (a shared home, a copied image) must not be loaded here, where it could die on an
-    illegal instruction."""
+def build_name() -> str:
+    """The library's name: a hash of what decides its bits. The CPU's instruction sets are in it
+    because a -march=native build cached on another machine (a shared home, a copied image) could
+    die here on an illegal instruction; the sources, headers and flags because torch's loader
+    rebuilds in place whenever they differ, so two trees sharing a name take turns rebuilding."""
+    digest = hashlib.sha256()
     features = " ".join(sorted(cpu_flags())) or f"{platform.machine()} {platform.processor()}"
-    return hashlib.sha256(features.encode()).hexdigest()[:12]
+    for part in (features, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, sys.version):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"pagedllm_cpu_{digest.hexdigest()[:16]}"
+
+
+def _is_cached(name: str) -> bool:
+    from torch.utils import cpp_extension
+
+    try:  # torch's own rule for the folder (TORCH_EXTENSIONS_DIR, else its cache); private API
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, OSError):
+        return False  # then a load may be announced as a build: only the log line is wrong
+    return (folder / f"{name}.so").exists()
 
 
 @functools.cache
@@ -52,17 +77,26 @@ def is_built() -> bool:
     """Build (or load the cached build of) the kernel once per process; False if it cannot be."""
     from torch.utils import cpp_extension
 
+    name = build_name()
+    building = not _is_cached(name)
+    if building:
+        logger.info(
+            "Building the CPU kernels for this machine (first start of this source tree, about a minute) ..."
+        )
+    started = time.perf_counter()
     try:
         cpp_extension.load(
-            name=f"pagedllm_cpu_{_cpu_tag()}",
+            name=name,
             sources=[str(source) for source in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
             is_python_module=False,
         )
     except (OSError, RuntimeError) as err:  # no compiler or ninja, or a failed build
         logger.warning("CPU attention kernel unavailable, decoding with PyTorch ops instead: %s", err)
         return False
+    if building:
+        logger.info("CPU kernels built in %.1f s (%s)", time.perf_counter() - started, name)
     return True
 
 
