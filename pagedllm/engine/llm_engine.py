@@ -193,11 +193,14 @@ class LLMEngine:
         return max_tokens
 
     def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last truncate_prompt_tokens tokens (-1: max_model_len), or all of it."""
+        """The prompt's last truncate_prompt_tokens tokens, or all of it. -1 (vLLM's "as many as
+        max_model_len allows") keeps what leaves room for max_tokens, or for one token without it:
+        a prompt of max_model_len tokens could generate nothing."""
         keep = params.truncate_prompt_tokens
         if keep is None or not isinstance(prompt_ids, list):
             return prompt_ids
-        keep = self.max_model_len if keep == -1 else keep
+        if keep == -1:  # never below one token: a max_tokens this large gets its own 400
+            keep = max(1, self.max_model_len - (params.max_tokens or 1))
         return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
