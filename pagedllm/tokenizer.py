@@ -88,3 +88,28 @@ def workload_prompts(tokenizer: PreTrainedTokenizerBase, workload: list[Any]) ->
         else:
             prompts.append(tokenizer(item.prompt).input_ids)
     return prompts
+
+
+def workload_turns(
+    tokenizer: PreTrainedTokenizerBase, workload: list[Any]
+) -> list[tuple[list[int], list[int]]]:
+    """Every request a workload sends as `pagedllm bench prefix` and `bench serve` send them: one
+    per single-turn line, one per turn of a conversation (the history before it, answers
+    included). Each comes as (prompt ids, ids the engine holds once it is answered: the prompt and
+    the answer but its last token). The model's answers are not known without running it, so each
+    stands in as `max_tokens` tokens of filler, the length the benchmarks cap them at."""
+    turns = []
+    for item in workload:
+        if not hasattr(item, "turns"):
+            prompt_ids = tokenizer(item.prompt).input_ids
+            turns.append((prompt_ids, prompt_ids))
+            continue
+        messages = [{"role": "system", "content": item.system}] if item.system else []
+        answer_ids = tokenizer(" ok" * item.max_tokens, add_special_tokens=False).input_ids[: item.max_tokens]
+        answer = tokenizer.decode(answer_ids)
+        for user_turn in item.turns:
+            messages.append({"role": "user", "content": user_turn})
+            prompt_ids = chat_prompt(tokenizer, messages)["prompt_token_ids"]
+            turns.append((prompt_ids, prompt_ids + answer_ids[:-1]))
+            messages.append({"role": "assistant", "content": answer})
+    return turns

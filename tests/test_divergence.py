@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.prefix import make_clients, run_closed_loop
 from pagedllm.core.block_hash import get_hash_function, hash_block_tokens
 from pagedllm.entrypoints.cli.main import main
 from pagedllm.metrics.divergence import DivergenceFinder, divergence
@@ -132,3 +133,29 @@ def test_analyze_prefix_names_the_timestamp_and_computes_the_moved_hit_rate(tmp_
     assert report["hit_rate_moved"] > report["hit_rate"] + 0.5  # the rules become shareable
     main(["analyze", "prefix", "--workload", str(workload), "--no-divergence-text"])
     assert "10:41:" not in capsys.readouterr().out
+
+
+def test_analyze_prefix_replays_every_turn_as_the_benchmark_does(tmp_path, capsys, llm):
+    """Answers of max_tokens tokens each (4: none ends sooner), so analyze's stand-ins are as long
+    as the model's and its figure is the benchmark's to the token."""
+    workload = tmp_path / "turns.jsonl"
+    conversations = [
+        {
+            "conversation_id": i,
+            "system": f"You help user {i}. {RULES}",
+            "turns": QUESTIONS[i:],
+            "max_tokens": 4,
+        }
+        for i in range(2)
+    ]
+    workload.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    main(["analyze", "prefix", "--workload", str(workload), "--output-json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert "2 conversations replayed turn by turn" in out and "7 prompts" in out
+
+    engine = llm.llm_engine
+    bench = run_closed_loop(engine, make_clients(str(workload), engine.tokenizer, None), concurrency=1)
+    assert all(r.output_tokens == 4 for r in bench.records)  # the answer lengths analyze assumes
+    assert report["prompt_tokens"] == sum(r.prompt_tokens for r in bench.records)
+    assert report["hit_rate"] == pytest.approx(bench.hit_rate()) and report["hit_rate"] > 0.5

@@ -6,10 +6,10 @@ import argparse
 import json
 from dataclasses import asdict
 
-from pagedllm.bench.workload import load_workload
+from pagedllm.bench.workload import Conversation, load_workload
 from pagedllm.metrics.prefix_report import analyze_prompts, format_report
 from pagedllm.model.loader import resolve_model_folder
-from pagedllm.tokenizer import load_tokenizer, workload_prompts
+from pagedllm.tokenizer import load_tokenizer, workload_turns
 
 
 def register(subparsers) -> None:
@@ -35,9 +35,16 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(resolve_model_folder(args.model))
-    prompts = workload_prompts(tokenizer, load_workload(args.workload))
-    report = analyze_prompts(prompts, args.block_size, tokenizer.decode, top=args.top)
+    workload = load_workload(args.workload)
+    turns = workload_turns(tokenizer, workload)
+    prompts, computed = [p for p, _ in turns], [c for _, c in turns]
+    report = analyze_prompts(prompts, args.block_size, tokenizer.decode, top=args.top, computed=computed)
     print(f"{args.workload}:")
+    if workload and isinstance(workload[0], Conversation):
+        print(
+            f"{len(workload):,} conversations replayed turn by turn, as `pagedllm bench` sends them; "
+            "each answer stands in as max_tokens tokens (the model's own are not known here)"
+        )
     print(format_report(report, with_text=args.divergence_text))
     if args.output_json:
         body = asdict(report) | {
