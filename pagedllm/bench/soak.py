@@ -5,8 +5,10 @@
 - aborts: a stream the client closes after a few chunks (the server must free its blocks);
 - disconnects: a non-streamed request whose client gives up before the answer;
 - bad requests: each a kind that once stopped or stalled a server (invalid Unicode, ids past the
-  vocabulary, huge integers, client templates, bodies too deep or too large ...), which must get
-  a 4xx and harm no one.
+  vocabulary, huge integers, client templates, bodies too deep or too large, grammars too deep
+  to compile, malformed tool calls ...), which must get a 4xx and harm no one;
+- structured: a chat request constrained to a small JSON schema (a grammar compiled and applied);
+- tools: a chat request with a tool it must call (`tool_choice: required`).
 Then it waits for the server to go idle and reports: requests served, outcomes by kind, errors by
 class (anything but a 4xx for a bad request, or a 5xx at all, is an error), the server's resident
 memory at start / peak / end, KV blocks still held (leaked; must be 0), and how the median
@@ -33,9 +35,15 @@ from pagedllm.bench.workload import load_requests
 from pagedllm.logger import configure_logging
 
 API_KEY = "soak"
-KINDS = ("good", "abort", "disconnect", "bad")
+KINDS = ("good", "abort", "disconnect", "bad", "structured", "tools")
 _LONG = "Hello " * 40
 _CHAT = '{"messages": [{"role": "user", "content": "hi"}], '
+_TOOLS = (
+    '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", '
+    '"properties": {"city": {"type": "string"}}, "required": ["city"]}}}]'
+)
+# 450 nested objects as a schema string: once kept the grammar compiler busy for 25-45 s
+_NESTED_SCHEMA = '{"type": "object", "properties": {"a": ' * 450 + '{"type": "string"}' + "}}" * 450
 BAD_REQUESTS: list[tuple[str, str | bytes]] = [
     ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [1000000]}'),
     ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4, "seed": 18446744073709551616}'),
@@ -51,7 +59,39 @@ BAD_REQUESTS: list[tuple[str, str | bytes]] = [
     ("/v1/completions", '{"prompt": "Hello", "user": "' + "u" * 5000 + '"}'),
     ("/v1/completions", '{"prompt": [1, 2, 49152]}'),
     ("/tokenize", '{"prompt": "Hello \\ud800"}'),
+    ("/v1/chat/completions", _CHAT + '"structured_outputs": {"json": ' + json.dumps(_NESTED_SCHEMA) + "}}"),
+    ("/v1/chat/completions", _CHAT + '"structured_outputs": {"json": "' + "[" * 30000 + '"}}'),
+    ("/v1/chat/completions", _CHAT + '"structured_outputs": {"json": {"$ref": "https://a.example/s.json"}}}'),
+    ("/v1/chat/completions", _CHAT + '"tools": ' + _TOOLS + ', "tool_choice": '
+     '{"type": "function", "function": "f"}}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": 7}, '
+     '{"role": "user", "content": "hi"}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"id": "a", '
+     '"type": "function", "function": "f"}]}, {"role": "user", "content": "hi"}]}'),
 ]  # fmt: skip
+STRUCTURED_BODY = {
+    "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "person",
+            "schema": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+            },
+        },
+    },
+    "max_tokens": 48,
+    "temperature": 0,
+}
+TOOLS_BODY = {
+    "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+    "tools": json.loads(_TOOLS),
+    "tool_choice": "required",
+    "max_tokens": 48,
+    "temperature": 0,
+}
 
 
 @dataclass
@@ -77,8 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument(
         "--mix",
-        default="0.6,0.15,0.1,0.15",
-        help="fractions of good, abort, disconnect and bad requests (default: 0.6,0.15,0.1,0.15)",
+        default="0.5,0.15,0.1,0.15,0.05,0.05",
+        help="fractions of good, abort, disconnect, bad, structured and tools requests "
+        "(default: 0.5,0.15,0.1,0.15,0.05,0.05; the last two may be left out: 0)",
     )
     parser.add_argument("--max-tokens-cap", type=int, default=64, help="cap on a good request's max_tokens")
     parser.add_argument("--seed", type=int, default=0)
@@ -101,6 +142,9 @@ async def _send(
             path, body = rng.choice(BAD_REQUESTS)
             response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
             outcome.status = _bad_status(response)
+        elif kind in ("structured", "tools"):
+            response = await client.post("/v1/chat/completions", json=_chat_body(kind))
+            outcome.status, outcome.output_tokens = _chat_status(kind, response)
         else:
             item = rng.choice(requests)
             body = {"prompt": item.prompt, "max_tokens": min(item.max_tokens, cap), "temperature": 0}
@@ -117,6 +161,32 @@ async def _send(
         outcome.status = f"connection:{type(error).__name__}"
     outcome.e2e_s = time.perf_counter() - start
     return outcome
+
+
+def _chat_body(kind: str) -> dict:
+    return STRUCTURED_BODY if kind == "structured" else TOOLS_BODY
+
+
+def _chat_status(kind: str, response: httpx.Response) -> tuple[str, int]:
+    """A constrained answer must be a 200 that honours its constraint: JSON that parses (unless
+    cut by max_tokens) for a schema, a call of the tool for `tool_choice: required`."""
+    if response.status_code != 200:
+        return ("5xx" if response.status_code >= 500 else "unexpected_4xx"), 0
+    body = response.json()
+    choice = body["choices"][0]
+    tokens = body["usage"]["completion_tokens"]
+    if kind == "tools":
+        calls = choice["message"].get("tool_calls") or []
+        return (
+            "ok" if calls and calls[0]["function"]["name"] == "get_weather" else "tool_not_called"
+        ), tokens
+    if choice["finish_reason"] == "length":
+        return "ok", tokens
+    try:
+        json.loads(choice["message"]["content"])
+    except (TypeError, ValueError):
+        return "schema_not_followed", tokens
+    return "ok", tokens
 
 
 def _bad_status(response: httpx.Response) -> str:
@@ -150,6 +220,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, stop_after: int | None)
 async def run_soak(args: argparse.Namespace, server: ServerProcess) -> Soak:
     requests = load_requests(args.workload)
     weights = [float(x) for x in args.mix.split(",")]
+    weights += [0.0] * (len(KINDS) - len(weights))
     soak = Soak()
     deadline = time.perf_counter() + args.minutes * 60
     begin = time.perf_counter()
