@@ -11,6 +11,10 @@ engines (there is one here). Where the figures come from:
     RequestOutput when finished      request_success and the per-request histograms
     the HTTP routes                  n and max_tokens of admitted requests, queue-full refusals
 
+/metrics is open, as vLLM's is (scrapers need no key); so a server whose API needs a key leaves
+out the breakdown by caller, whose labels are the callers' `user` strings, unless the operator
+asks for it (caller_labels_on).
+
 The registry also holds prometheus_client's process_* and python_* collectors; metrics/http.py
 adds http_*. vLLM families with no meaning here (speculative decoding, LoRA, KV connectors and
 offloading, multi-modal caches, sleep mode) are left out rather than exported as zeros;
@@ -43,6 +47,12 @@ _SPANS = {  # span of a finished request -> (family, what it measures), vLLM's d
     "prefill_time": ("request_prefill_time_seconds", "First scheduled to first token."),
     "decode_time": ("request_decode_time_seconds", "First to last token."),
 }
+
+
+def caller_labels_on(flag: bool | None, api_key: str | None) -> bool:
+    """--metrics-caller-label as given; left out, on only when the API needs no key (with a key,
+    /stats is guarded for naming callers, and open /metrics must not name them either)."""
+    return flag if flag is not None else api_key is None
 
 
 class PrometheusMetrics:

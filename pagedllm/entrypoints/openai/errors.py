@@ -3,7 +3,9 @@
 Handlers raise APIError; engine and validation errors are mapped here, so each endpoint says
 nothing about status codes. The engine's ValueErrors read "field: what is wrong", which gives
 `param`. Every error the app can produce has this shape: unknown routes and methods, bodies that
-do not parse, and anything unexpected (a 500, logged with its traceback).
+do not parse, and anything unexpected (a 500, logged with its traceback). A message quotes at most
+MAX_MESSAGE_CHARS of itself: a bad value echoed whole (a 2 MB stop list) would make its own
+error as large as the body that caused it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
+MAX_MESSAGE_CHARS = 500
+MAX_QUOTED_CHARS = 100
 
 
 class APIError(Exception):
@@ -42,11 +46,22 @@ class APIError(Exception):
         headers: dict[str, str] | None = None,
     ) -> None:
         # A message may quote the client's text; a lone surrogate in it must not break the reply.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        message = _capped(message, MAX_MESSAGE_CHARS).encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers
+
+
+def quoted(value: object) -> str:
+    """repr(value) for an error message, cut to MAX_QUOTED_CHARS (saying how long it was)."""
+    return _capped(repr(value), MAX_QUOTED_CHARS)
+
+
+def _capped(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}... ({len(text):,} characters)"
 
 
 def invalid_request(error: Exception) -> APIError:

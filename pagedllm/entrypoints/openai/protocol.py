@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm import limits
@@ -114,7 +114,9 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None
-    """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
+    """vLLM's: keep the prompt's last k tokens (-1: as many as leave room for max_tokens)."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the top k log-probabilities of every prompt token after the first (completions only)."""
     priority: int = 0
     """Accepted for vLLM compatibility; the scheduler is first-come first-served."""
     stream: bool = False
@@ -144,12 +146,29 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class MessageFunctionCall(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+    """JSON text, as OpenAI sends it (an object is taken as it is)."""
+
+
+class MessageToolCall(OpenAIModel):
+    """A call an earlier assistant message made: checked here, as templates and tools.py read it."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One message; extra fields (name, tool_calls, ...) go to the chat template as they are."""
+    """One message; fields pagedllm reads are checked, others go to the chat template as they are."""
 
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class FunctionDefinition(OpenAIModel):
@@ -163,6 +182,18 @@ class FunctionDefinition(OpenAIModel):
 class ChatTool(OpenAIModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+_TOOL_CHOICES = ("none", "auto", "required")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -179,12 +210,28 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (its own arguments, such as messages, are refused)."""
     tools: list[ChatTool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """none | auto (the default with tools) | required | {"type": "function", "function": {"name": ...}}."""
     parallel_tool_calls: bool | None = None
     """False: at most one call (tool_choice required)."""
     functions: list[dict[str, Any]] | None = None
     """OpenAI's deprecated tools field: refused like tools."""
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        """One message for every wrong shape (pydantic's own would name each member of the union)."""
+        function = value.get("function") if isinstance(value, dict) else None
+        if (isinstance(value, str) and value in _TOOL_CHOICES) or (
+            isinstance(value, dict)
+            and value.get("type") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+        ):
+            return value
+        raise _body_error(
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
 
 
 class TokenizeRequest(OpenAIModel):
@@ -242,10 +289,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's form of one prompt token's candidates: {token id: this}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
+    """With prompt_logprobs: per prompt token (None for the first), in a stream's first chunk."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import Request, Response
@@ -15,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM, RequestStream
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
+from pagedllm.entrypoints.openai.chat_history import HistoryCut, fit_history
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -35,9 +35,11 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_common import (
     DeltaTracker,
+    check_prompt_chars,
     choice_usage,
     collect_until_disconnected,
     event_stream,
+    max_token_chars,
     refuse_unsupported,
     sampling_params,
     sse,
@@ -56,14 +58,6 @@ from pagedllm.entrypoints.openai.tools import (
     template_uses_tools,
 )
 from pagedllm.outputs import RequestOutput
-
-
-@dataclass(frozen=True)
-class HistoryCut:
-    """What --truncate-chat-history dropped from a conversation: reported in its usage."""
-
-    messages: int
-    tokens: int
 
 
 class ServingChat:
@@ -86,6 +80,7 @@ class ServingChat:
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser
         self.truncate_history = truncate_history
+        self.max_chars_per_token = max_token_chars(tokenizer.tokenizer)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
@@ -96,7 +91,10 @@ class ServingChat:
         max_tokens = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
-        refuse_unsupported(request, {"functions": bool(request.functions)})
+        refuse_unsupported(
+            request,
+            {"functions": bool(request.functions), "prompt_logprobs": request.prompt_logprobs is not None},
+        )
         plan = plan_tools(request, self.tool_call_parser)
         params = sampling_params(
             request,
@@ -111,10 +109,26 @@ class ServingChat:
             template_kwargs=request.chat_template_kwargs,
             tools=plan.tools if plan is not None else None,
         )
-        prompt = await render(request.messages)
+        texts = [entry["content"] for entry in _conversation(request.messages)]
+        # The size bound holds for the server's template, which writes every message's text.
+        own_template = request.chat_template is None and "chat_template" not in (
+            request.chat_template_kwargs or {}
+        )
+        max_chars_per_token = self.max_chars_per_token if own_template else None
         cut = None
         if self.truncate_history and params.truncate_prompt_tokens is None:
-            prompt, cut = await self._fit_history(request.messages, prompt, max_tokens, render)
+            prompt, cut = await fit_history(
+                request.messages,
+                texts,
+                self._room(max_tokens),
+                render=render,
+                count_tokens=self._count_tokens,
+                max_chars_per_token=max_chars_per_token,
+            )
+        else:
+            max_len = self.models.max_model_len
+            check_prompt_chars("messages", sum(map(len, texts)), max_len, max_chars_per_token)
+            prompt = await render(request.messages)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.engine.generate(
             [prompt],
@@ -223,36 +237,18 @@ class ServingChat:
 
         return event_stream(stream, first, chunks, last)
 
-    async def _fit_history(
-        self,
-        messages: list[ChatMessage],
-        prompt: dict[str, Any],
-        max_tokens: int | None,
-        render: Callable[[list[ChatMessage]], Awaitable[dict[str, Any]]],
-    ) -> tuple[dict[str, Any], HistoryCut | None]:
-        """The prompt with the fewest oldest turns dropped that leaves room for max_tokens (one
-        token if unset); system messages and the last message stay. Binary search: a few renders."""
+    def _room(self, max_tokens: int | None) -> int:
+        """Prompt tokens that leave room for max_tokens (one token if unset)."""
         room = self.models.max_model_len - (max_tokens or 1)
-        full = len(prompt["prompt_token_ids"])
-        if full <= room:
-            return prompt, None
-        first = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
-        droppable = len(messages) - 1 - first  # never the last message
-        fitting: tuple[int, dict[str, Any]] | None = None
-        low, high = 1, droppable
-        while low <= high:
-            drop = (low + high) // 2
-            kept = messages[:first] + _from_a_user_turn(messages[first + drop :])
-            candidate = await render(kept)
-            if len(candidate["prompt_token_ids"]) <= room:
-                fitting, high = (drop, candidate), drop - 1
-            else:
-                low = drop + 1
-        if fitting is None:
-            return prompt, None  # even the last message alone is too long: the 400 says so
-        drop, candidate = fitting
-        kept_count = len(messages[:first] + _from_a_user_turn(messages[first + drop :]))
-        return candidate, HistoryCut(len(messages) - kept_count, full - len(candidate["prompt_token_ids"]))
+        if room < 1:
+            raise ValueError(
+                f"max_tokens: {max_tokens:,} leaves no room for a prompt in max_model_len "
+                f"{self.models.max_model_len:,}"
+            )
+        return room
+
+    async def _count_tokens(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in await self.tokenizer.encode(texts, add_special_tokens=False)]
 
     async def prompt(
         self,
@@ -308,14 +304,6 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry["content"] = content or ""
         conversation.append(entry)
     return conversation
-
-
-def _from_a_user_turn(messages: list[ChatMessage]) -> list[ChatMessage]:
-    """Drop leading replies and tool results whose question was dropped (the last one stays)."""
-    start = 0
-    while start < len(messages) - 1 and messages[start].role != "user":
-        start += 1
-    return messages[start:]
 
 
 def _with_cut(usage_info: UsageInfo, cut: HistoryCut | None) -> UsageInfo:

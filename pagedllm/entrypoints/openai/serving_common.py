@@ -1,5 +1,5 @@
-"""What the completion and chat endpoints share: sampling params from a request, usage,
-server-sent events, and noticing a client that went away."""
+"""What the completion and chat endpoints share: sampling params from a request, a size bound on
+prompts checked before tokenizing, usage, server-sent events, and noticing a client that went away."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
 
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import error_json, to_api_error
@@ -36,6 +37,7 @@ _SAMPLING_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
     "truncate_prompt_tokens",
+    "prompt_logprobs",
 )
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -89,6 +91,28 @@ def refuse_unsupported(request: SamplingFields, unsupported: dict[str, bool]) ->
     for name, asked in unsupported.items():
         if asked:
             raise ValueError(f"{name}: not supported by this server (yet); leave it out")
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most characters of text one token can stand for: its longest vocabulary entry (a
+    byte-level entry has a character per byte). None where a normalizer may fold any number of
+    characters into one token (collapsed spaces, dropped control characters): no bound then."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def check_prompt_chars(field: str, num_chars: int, max_tokens: int, max_chars_per_token: int | None) -> None:
+    """ValueError if `num_chars` characters of text cannot be fewer than `max_tokens` tokens,
+    found without tokenizing them: a body of megabytes is refused in microseconds, not after
+    seconds on the tokenizer thread that every request shares."""
+    if max_chars_per_token is not None and num_chars > max_tokens * max_chars_per_token:
+        raise ValueError(
+            f"{field}: {num_chars:,} characters are at least {-(-num_chars // max_chars_per_token):,} "
+            f"tokens (a token of this model holds at most {max_chars_per_token} characters), over "
+            f"the {max_tokens:,} that fit in max_model_len"
+        )
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

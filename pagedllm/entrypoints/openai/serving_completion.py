@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompts (text or token ids, one or many) x n choices, whole or streamed."""
+"""POST /v1/completions: prompts (text or token ids, one or many) x n choices, whole or streamed;
+with prompt_logprobs, each choice carries its prompt's (in a stream, its first chunk)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
 )
 from pagedllm.entrypoints.openai.serving_common import (
     DeltaTracker,
+    check_prompt_chars,
     choice_usage,
     collect_until_disconnected,
     event_stream,
+    max_token_chars,
     refuse_unsupported,
     sampling_params,
     sse,
@@ -32,7 +36,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     usage,
 )
 from pagedllm.entrypoints.openai.serving_models import ServedModels
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import Logprob, RequestOutput
 
 
 class ServingCompletion:
@@ -40,6 +44,7 @@ class ServingCompletion:
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
+        self.max_chars_per_token = max_token_chars(tokenizer.tokenizer)
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
@@ -53,7 +58,7 @@ class ServingCompletion:
                 "suffix": bool(request.suffix),
             },
         )
-        prompts = await self._prompts(request.prompt)
+        prompts = await self._prompts(request.prompt, truncated=params.truncate_prompt_tokens is not None)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self.engine.generate(
             prompts,
@@ -75,6 +80,7 @@ class ServingCompletion:
                 index=index,
                 text=output.outputs[0].text,
                 logprobs=_logprobs(output, 0, len(output.outputs[0].token_ids), request.logprobs, 0),
+                prompt_logprobs=_prompt_logprobs(output),
                 finish_reason=output.outputs[0].finish_reason,
                 stop_reason=output.outputs[0].stop_reason,
             )
@@ -99,18 +105,30 @@ class ServingCompletion:
         continuous = options is not None and options.continuous_usage_stats
         tracker = DeltaTracker(len(stream.req_ids))
         latest: dict[int, RequestOutput] = {}
+        prompt_logprobs_sent: set[int] = set()
 
         def chunks(index: int, output: RequestOutput) -> Iterator[str]:
             latest[index] = output
             offset = tracker.num_chars[index]
             text, start, end = tracker.advance(index, output)
             completion = output.outputs[0]
-            if not text and not completion.finished and (request.logprobs is None or start == end):
+            # the prompt is whole once a token follows it
+            prompt_logprobs = None
+            if index not in prompt_logprobs_sent and (completion.token_ids or completion.finished):
+                prompt_logprobs = _prompt_logprobs(output)
+                prompt_logprobs_sent.add(index)
+            if (
+                not text
+                and not completion.finished
+                and prompt_logprobs is None
+                and (request.logprobs is None or start == end)
+            ):
                 return
             choice = CompletionChoice(
                 index=index,
                 text=text,
                 logprobs=_logprobs(output, start, end, request.logprobs, offset),
+                prompt_logprobs=prompt_logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
             )
@@ -135,8 +153,11 @@ class ServingCompletion:
 
         return event_stream(stream, (), chunks, last)
 
-    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
-        """Token ids of every prompt (text is tokenized on the tokenizer's thread)."""
+    async def _prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]], *, truncated: bool
+    ) -> list[PromptType]:
+        """Token ids of every prompt (text is tokenized on the tokenizer's thread, after a size
+        bound unless truncate_prompt_tokens will cut it)."""
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not prompts:
             raise ValueError("prompt: the prompt list is empty")
@@ -148,6 +169,9 @@ class ServingCompletion:
             return [{"prompt_token_ids": ids} for ids in prompts]
         if not all(prompts):
             raise ValueError("prompt: the prompt is empty")
+        if not truncated:
+            for text in prompts:
+                check_prompt_chars("prompt", len(text), self.models.max_model_len, self.max_chars_per_token)
         token_ids = await self.tokenizer.encode(prompts)
         return [
             {"prompt": text, "prompt_token_ids": ids} for text, ids in zip(prompts, token_ids, strict=True)
@@ -173,3 +197,17 @@ def _logprobs(
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
+
+
+def _prompt_logprobs(output: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, None for the first (nothing comes before it)."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else _prompt_entry(entry) for entry in output.prompt_logprobs]
+
+
+def _prompt_entry(entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
+    return {
+        token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in entry.items()
+    }

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.errors import quoted
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_parsers import ParsedToolCall, ToolCallParser, make_parser
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -101,14 +102,10 @@ def plan_tools(request: ChatCompletionRequest, parser_name: str | None) -> ToolP
         if request.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(dicts, "required", grammar=StructuredOutputsParams(json=schema))
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if not isinstance(name, str):
-            raise ValueError('tool_choice: expected {"type": "function", "function": {"name": ...}}')
-        if name not in schemas:
-            raise ValueError(f"tool_choice: no tool named {name!r} among the tools")
-        return ToolPlan(dicts, "named", function=name, grammar=StructuredOutputsParams(json=schemas[name]))
-    raise ValueError('tool_choice: must be "none", "auto", "required" or {"type": "function", ...}')
+    name = choice.function.name  # protocol.py has checked the shape
+    if name not in schemas:
+        raise ValueError(f"tool_choice: no tool named {quoted(name)} among the tools")
+    return ToolPlan(dicts, "named", function=name, grammar=StructuredOutputsParams(json=schemas[name]))
 
 
 def template_uses_tools(template: str | None) -> bool:
@@ -176,10 +173,11 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _call_text(call: Any) -> str:
-    function = call.get("function", {}) if isinstance(call, dict) else {}
-    arguments = function.get("arguments", "{}")
+def _call_text(call: dict[str, Any]) -> str:
+    """One earlier call (a protocol.MessageToolCall as a dict) as the hermes parser reads it back."""
+    function = call["function"]
+    arguments = function["arguments"]
     with contextlib.suppress(ValueError):  # else written as the client sent it
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    body = json.dumps({"name": function.get("name", ""), "arguments": arguments}, ensure_ascii=False)
+    body = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"
