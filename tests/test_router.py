@@ -4,7 +4,10 @@ workloads against one replica alone, streaming, /metrics, a replica killed under
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +29,9 @@ from pagedllm.entrypoints.router.prefix_index import PrefixIndex, chunk_hashes
 from pagedllm.entrypoints.router.replicas import ReplicaSet
 from pagedllm.entrypoints.router.request_text import request_text
 
-from .conftest import server_engine_args
+from .conftest import die_with_parent, server_engine_args
 from .test_server import RemoteServer
+from .test_server_hardening import assert_openai_error
 
 API_KEY = "router-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -214,6 +218,96 @@ def test_metrics_aggregate_both_replicas(replicas, routers) -> None:
     assert prompt_tokens and {s.labels["replica"] for s in prompt_tokens[0].samples} == urls
     healthy = families["pagedllm_router_replica_healthy"].samples
     assert {s.labels["replica"]: s.value for s in healthy} == dict.fromkeys(urls, 1.0)
+
+
+def _router_process(urls: list[str], *flags: str) -> tuple[subprocess.Popen, str]:
+    """`pagedllm router` as its own process (its memory measured apart from the test's)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    replicas = [f"--replica={url}" for url in urls]
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "router", f"--port={port}", *flags]
+    proc = subprocess.Popen([*command, *replicas], preexec_fn=die_with_parent)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health").status_code == 200:
+                return proc, url
+        assert proc.poll() is None and time.monotonic() < deadline, "the router did not start"
+        time.sleep(0.2)
+
+
+def _peak_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
+def test_bodies_are_bounded_before_they_reach_a_replica(replicas) -> None:
+    """A replica's 413 and 400, answered by the router without holding the body or forwarding it."""
+    limit = 65536
+    proc, router = _router_process([s.url for s in replicas], f"--max-request-body-bytes={limit}")
+    url = f"{router}/v1/completions"
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def chunks(total: int):  # no Content-Length: counted as it streams in
+        for _ in range(total >> 20):
+            yield b"x" * (1 << 20)
+
+    try:
+        big = {"model": MODEL, "prompt": "Hello", "user": "u" * limit}
+        assert_openai_error(httpx.post(url, json=big, headers=headers), 413, "max-request-body-bytes")
+        peak = _peak_rss_mib(proc.pid)
+        with contextlib.suppress(httpx.TransportError):  # the router may close before all is sent
+            response = httpx.post(url, content=chunks(300 << 20), headers=headers, timeout=120)
+            assert_openai_error(response, 413, "max-request-body-bytes")
+        assert _peak_rss_mib(proc.pid) < peak + 50  # 300 MiB held would show
+        response = httpx.post(url, content=chunks(4 << 20), headers=headers)
+        assert_openai_error(response, 413, "max-request-body-bytes")
+        for depth in (65, 5000):
+            nested = '{"model": "m", "prompt": ' + "[" * depth + "1" + "]" * depth + "}"
+            assert_openai_error(httpx.post(url, content=nested, headers=headers), 400, "nested deeper")
+        assert_openai_error(httpx.get(f"{router}/no/such/path"), 404, "GET /no/such/path")
+        ok = httpx.post(url, json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, headers=headers)
+        assert ok.status_code == 200, ok.text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_stats_and_dashboard_merge_the_replicas(replicas, routers) -> None:
+    url = routers["round_robin"].url
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    client = routers["round_robin"].client()
+    for i in range(4):  # both replicas have finished requests to merge
+        client.completions.create(model=MODEL, prompt=f"Shared opening words, then {i}", max_tokens=2)
+    assert_openai_error(httpx.get(f"{url}/stats"), 401, "API key")  # the replicas' key guards it
+    merged = httpx.get(f"{url}/stats", headers=auth).json()
+    own = merged.pop("replicas")
+    assert set(own) == {server.url for server in replicas}
+    snapshots = list(own.values())
+    assert set(merged) == set(snapshots[0])  # the replica's shape: its dashboard page reads it
+    for name in ("finished", "running", "generation_tokens", "prompt_tokens_computed"):
+        assert merged[name] == sum(s[name] for s in snapshots)
+    assert all(s["finished"] > 0 for s in snapshots)
+    cache = merged["prefix_cache"]
+    for name in ("requests", "queries", "hits"):
+        assert cache[name] == sum(s["prefix_cache"][name] for s in snapshots)
+    assert cache["hit_rate"] == pytest.approx(cache["hits"] / cache["queries"])
+    assert merged["kv_cache"]["num_blocks"] == sum(s["kv_cache"]["num_blocks"] for s in snapshots)
+    assert len({len(column) for column in merged["history"].values()}) == 1
+
+    blocks = httpx.get(f"{url}/stats/kv_blocks", headers=auth).json()
+    assert blocks["num_blocks"] == len(blocks["states"]) == merged["kv_cache"]["num_blocks"]
+    first_of_second = snapshots[0]["kv_cache"]["num_blocks"]
+    block = httpx.get(f"{url}/stats/kv_blocks/{first_of_second}", headers=auth).json()
+    assert block["block_id"] == first_of_second
+    past_the_end = httpx.get(f"{url}/stats/kv_blocks/{blocks['num_blocks']}", headers=auth)
+    assert_openai_error(past_the_end, 404, "block")
+
+    page = httpx.get(f"{url}/dashboard")
+    assert page.status_code == 200 and 'fetch("stats"' in page.text
+    assert httpx.get(f"{url}/static/uPlot.iife.min.js").status_code == 200
 
 
 def _breaking_replica() -> FastAPI:

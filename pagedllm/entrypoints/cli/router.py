@@ -9,6 +9,7 @@ import logging
 import uvicorn
 from fastapi import FastAPI
 
+from pagedllm import limits
 from pagedllm.entrypoints.openai.api_server import bind_socket
 from pagedllm.entrypoints.router.app import build_app
 from pagedllm.entrypoints.router.policy import POLICIES, CacheAware, make_policy
@@ -25,7 +26,7 @@ def register(subparsers) -> None:
         "router",
         help="Route OpenAI requests over several replicas, each to where its prefix is likely cached",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and an aggregated "
-        "/metrics in front of `pagedllm serve` replicas. See docs/scaling.md.",
+        "/metrics, /stats and /dashboard in front of `pagedllm serve` replicas. See docs/scaling.md.",
     )
     parser.add_argument(
         "--replica",
@@ -81,6 +82,13 @@ def register(subparsers) -> None:
         default=600.0,
         help="Seconds a replica may take to answer a request. (default: %(default)s)",
     )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="Refuse a larger request body with a 413 before reading the rest of it, as a replica "
+        "does. (default: %(default)s)",
+    )
     parser.set_defaults(handler=functools.partial(_router, parser))
 
 
@@ -92,6 +100,8 @@ def build_router(args: argparse.Namespace) -> FastAPI:
         balance_abs_threshold=args.balance_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
     )
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     policy = make_policy(args.policy, cache_aware)
     replica_set = ReplicaSet(
         args.replica,
@@ -100,7 +110,9 @@ def build_router(args: argparse.Namespace) -> FastAPI:
         chunk_chars=CHUNK_CHARS,
         max_index_chunks=max(1, args.max_index_chars // CHUNK_CHARS),
     )
-    return build_app(replica_set, request_timeout=args.request_timeout)
+    return build_app(
+        replica_set, request_timeout=args.request_timeout, max_request_body_bytes=args.max_request_body_bytes
+    )
 
 
 def _router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -5,6 +5,11 @@ Authorization header pass through untouched. Until the first byte of the answer 
 can move: a replica that refuses the connection or drops it is marked down and the request tries the
 next one; a 502/503/504 (queue full, draining) tries the next one without marking it down. A stream
 that breaks after its first chunk cannot move; it ends with an SSE error event and [DONE].
+
+Bodies are held to a replica's bounds before anything is forwarded: over --max-request-body-bytes
+is a 413 (at once when Content-Length says so, else as soon as the bytes streamed in pass it), and
+JSON nested deeper than limits.MAX_JSON_DEPTH a 400, both in OpenAI's error shape, as every other
+error the router makes. /stats and /dashboard merge the replicas' own (router/stats.py).
 """
 
 from __future__ import annotations
@@ -20,10 +25,15 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pagedllm import limits
+from pagedllm.entrypoints.openai.errors import install_error_handlers, invalid_request
+from pagedllm.entrypoints.openai.middleware import BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.protocol import _check_text_and_depth
 from pagedllm.entrypoints.router.metrics import merge_scrapes, render, router_families, scrape_all
 from pagedllm.entrypoints.router.policy import Replica
 from pagedllm.entrypoints.router.replicas import ReplicaSet
 from pagedllm.entrypoints.router.request_text import request_text
+from pagedllm.entrypoints.router.stats import add_stats_routes
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +51,10 @@ _MOVABLE_STATUSES = {HTTPStatus.BAD_GATEWAY, HTTPStatus.SERVICE_UNAVAILABLE, HTT
 
 
 def build_app(
-    replica_set: ReplicaSet, request_timeout: float = 600.0, metrics_prefix: str = "pagedllm"
+    replica_set: ReplicaSet,
+    request_timeout: float = 600.0,
+    metrics_prefix: str = "pagedllm",
+    max_request_body_bytes: int = limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The router app; its lifespan owns the HTTP client and the health checker."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0))
@@ -55,6 +68,8 @@ def build_app(
         await client.aclose()
 
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -85,6 +100,7 @@ def build_app(
         families = [*merge_scrapes(scrapes), *router_families(replica_set.replicas, metrics_prefix)]
         return Response(render(families), media_type=CONTENT_TYPE_LATEST)
 
+    add_stats_routes(app, client, replica_set)
     return app
 
 
@@ -92,11 +108,8 @@ async def _forward(
     client: httpx.AsyncClient, replica_set: ReplicaSet, request: Request, path: str
 ) -> Response:
     """Send a request to the policy's replica, moving it to the next while nothing has come back."""
-    body = await request.body()
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None  # any replica answers the 400
+    body = await request.body()  # BodySizeLimitMiddleware ends this with a 413 past the bound
+    parsed = _parse(body)
     text = request_text(path, parsed) if isinstance(parsed, dict) else ""
     headers = _request_headers(request)
     tried: set[str] = set()
@@ -129,6 +142,24 @@ async def _forward(
             return _plain_response(upstream)
         last_refusal = _plain_response(upstream)
     return last_refusal or _no_replica()
+
+
+def _parse(body: bytes) -> object:
+    """The body's JSON (None if it is not JSON: any replica answers that 400). Raises a 400 for
+    nesting deeper than a replica takes; json's own recursion limit is far deeper than that."""
+    try:
+        parsed = json.loads(body)
+    except RecursionError:
+        deep = ValueError(f"body: nested deeper than {limits.MAX_JSON_DEPTH} levels")
+        raise invalid_request(deep) from None
+    except ValueError:
+        return None
+    if isinstance(parsed, dict):
+        try:
+            _check_text_and_depth(parsed)  # the replica's own check, so both answer alike
+        except ValueError as error:
+            raise invalid_request(error) from None
+    return parsed
 
 
 def _stream_response(replica: Replica, upstream: httpx.Response) -> StreamingResponse:
