@@ -1,8 +1,13 @@
-"""Shared fixtures: the default model through pagedllm and, independently, through transformers."""
+"""Shared fixtures: the default model through pagedllm and, independently, through transformers;
+and what keeps test servers from outliving the test process."""
 
 from __future__ import annotations
 
+import ctypes
+import signal
+import sys
 from dataclasses import dataclass
+from types import FrameType
 
 import pytest
 import torch
@@ -30,6 +35,28 @@ def server_engine_args() -> list[str]:
         TEST_ENGINE_ARGS["kv_cache_memory_bytes"],
         "--disable-log-stats",
     ]
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+
+
+def die_with_parent() -> None:
+    """A test subprocess's `preexec_fn`: on Linux the kernel sends it SIGTERM when the thread that
+    started it ends, so a test process killed outright (SIGKILL, no finalizer runs) leaves no server
+    behind. That thread, not the process: start long-lived servers from the main thread."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _interrupt(signum: int, _: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name}")
+
+
+def pytest_sessionstart() -> None:
+    """SIGTERM (`make test` stopped, a CI job cancelled) ends the run as Ctrl-C does: pytest then
+    runs the fixtures' finalizers and the tests' `finally` blocks, which stop their servers."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import SamplingParams
 
-from .conftest import TEST_ENGINE_ARGS, server_engine_args
+from .conftest import TEST_ENGINE_ARGS, die_with_parent, server_engine_args
 
 API_KEY = "test-key"
 MAX_NUM_SEQS = 8
@@ -64,6 +64,8 @@ class RemoteServer:
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, **(env or {})},
+            # the kernel's parent-death signal follows the starting thread: only the main thread's
+            preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
         )
         self.lines: list[str] = []
         self.url: str | None = None
