@@ -14,6 +14,7 @@ import pytest
 from pagedllm.bench.arrivals import arrival_times
 from pagedllm.bench.datasets import random_requests, sharegpt_requests
 from pagedllm.bench.serve_metrics import RequestRecord, ServeResult
+from pagedllm.bench.serve_report import summary_table
 from pagedllm.entrypoints.cli.main import build_parser
 from pagedllm.entrypoints.cli.main import main as cli
 from pagedllm.model.loader import resolve_model_folder
@@ -137,8 +138,25 @@ def test_summary_goodput_and_peaks():
     assert summary["median_itl_ms"] == pytest.approx(100.0)
     assert summary["mean_tpot_ms"] == pytest.approx((100.0 + 1000.0) / 2)  # one-token answers have none
     assert summary["max_output_tokens_per_s"] == 7.0  # second 0: 5 + 1 + 1
-    assert summary["max_concurrent_requests"] == 3
+    assert summary["max_concurrent_requests"] == 2  # at 0.2-0.5 s
     assert result.summary(["ttft"], [99.0], None)["request_goodput"] is None
+
+
+def test_in_flight_is_counted_at_an_instant_and_labelled_apart_from_the_setting():
+    """Two clients, each sending four short requests back to back within one second: never more
+    than two in flight, though eight are active in that second."""
+    records = [
+        RequestRecord(5, None, 2, 0.05, 0.1, start_s=0.1 * i + 0.01 * client, itl_s=[0.05])
+        for client in range(2)
+        for i in range(4)
+    ]
+    summary = ServeResult(records, elapsed_s=1.0).summary(["ttft"], [99.0], None)
+    assert summary["max_concurrent_requests"] == 2
+    text = summary_table(
+        summary, ["ttft"], [99.0], max_concurrency=2, request_rate=math.inf, prefix_hit_rate=None
+    )
+    rows = dict(line.rsplit(None, 1) for line in text.splitlines() if ":" in line)
+    assert rows["Max concurrency (--max-concurrency):"] == rows["Most in flight at once (measured):"] == "2"
 
 
 def test_flags_are_checked():

@@ -2,9 +2,10 @@
 
 A token chunk is a streamed completion chunk (even with empty text: part of a character), a chat
 chunk with content, or the chunk that ends a choice; a server may put several tokens in one chunk,
-so ITL is the gap between chunks, as vLLM measures it. The two peaks count per second of the run,
-as vLLM's do: requests active at any time in a second all count, so the peak of requests may pass
---max-concurrency.
+so ITL is the gap between chunks, as vLLM measures it. The peak of output tokens counts per
+second of the run, as vLLM's does; the peak of requests (`max_concurrent_requests`) is those in
+flight at one instant, so it never passes --max-concurrency (vLLM counts every request active at
+any time in a second, which a closed loop of N clients takes past N).
 
     TTFT = first token chunk - send           ITL  = gap between consecutive token chunks
     TPOT = (E2EL - TTFT) / (output tokens - 1) E2EL = end of stream - send
@@ -86,16 +87,28 @@ class ServeResult:
         )
 
     def peaks(self) -> tuple[float, int]:
-        """Most token chunks in one second of the run, and most requests active in one second."""
+        """Most token chunks in one second of the run, and most requests in flight at once."""
+        return self._peak_tokens_per_s(), self._peak_in_flight()
+
+    def _peak_tokens_per_s(self) -> float:
         if not self.ok:
-            return 0.0, 0
-        num_seconds = math.ceil(max(r.start_s + r.e2e_s for r in self.ok)) + 1
-        tokens, in_flight = np.zeros(num_seconds), np.zeros(num_seconds)
+            return 0.0
+        tokens = np.zeros(math.ceil(max(r.start_s + r.e2e_s for r in self.ok)) + 1)
         for r in self.ok:
             chunk_times = r.start_s + (r.ttft_s or 0.0) + np.cumsum([0.0, *r.itl_s])
             np.add.at(tokens, chunk_times.astype(int), 1)
-            in_flight[int(r.start_s) : int(r.start_s + r.e2e_s) + 1] += 1
-        return float(tokens.max()), int(in_flight.max())
+        return float(tokens.max())
+
+    def _peak_in_flight(self) -> int:
+        """The count peaks as a request is sent: those sent by then less those ended by then (a
+        client's next request, sent as its last one ends, does not overlap it). Failed requests
+        count too; they held a seat while they ran."""
+        if not self.records:
+            return 0
+        starts = np.sort([r.start_s for r in self.records])
+        ends = np.sort([r.start_s + r.e2e_s for r in self.records])
+        in_flight = np.searchsorted(starts, starts, "right") - np.searchsorted(ends, starts, "right")
+        return int(in_flight.max())
 
     def summary(
         self, metrics: list[str], percentiles: list[float], slos_ms: dict[str, float] | None

@@ -159,7 +159,7 @@ def summary_table(
         row("Requests failed:", summary["failed"]),
     ]
     if max_concurrency is not None:
-        lines.append(row("Most requests in flight (set):", max_concurrency))
+        lines.append(row("Max concurrency (--max-concurrency):", max_concurrency))
     if not math.isinf(request_rate):
         lines.append(row("Request rate (set, req/s):", request_rate))
     lines += [
@@ -173,7 +173,7 @@ def summary_table(
     lines += [
         row("Output tokens/s:", summary["output_throughput"]),
         row("Most output tokens in one second:", summary["max_output_tokens_per_s"]),
-        row("Most requests active in one second:", summary["max_concurrent_requests"]),
+        row("Most in flight at once (measured):", summary["max_concurrent_requests"]),
         row("Total (input + output) tokens/s:", summary["total_token_throughput"]),
         row("Prefix cache hit rate:", None if prefix_hit_rate is None else f"{prefix_hit_rate:.1%}"),
     ]
