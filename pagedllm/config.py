@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -272,6 +273,21 @@ class EngineConfig:
             "kv_offload_dir",
             "the disk tier copies rank 0's KV blocks only; use it without --tensor-parallel-size",
         )
+        need(
+            not self.kv_offload_dir
+            or not os.path.exists(self.kv_offload_dir)
+            or os.path.isdir(self.kv_offload_dir),
+            "kv_offload_dir",
+            f"{self.kv_offload_dir} is not a directory; point --kv-offload-dir at one (created if missing)",
+        )
+        if self.prefix_cache_warmup:
+            warmup = self.prefix_cache_warmup
+            need(
+                os.path.isfile(warmup),
+                "prefix_cache_warmup",
+                f"{warmup}: {'not a regular file' if os.path.exists(warmup) else 'no such file'}; "
+                "give --prefix-cache-warmup a JSONL file of prompts or conversations",
+            )
         need(self.log_stats_interval > 0, "log_stats_interval", "must be > 0")
 
     @property

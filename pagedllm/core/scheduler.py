@@ -16,6 +16,7 @@ A step:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 
@@ -102,6 +103,14 @@ class Scheduler:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def admission_candidates(self) -> list[Request]:
+        """The waiting requests the next schedule() may admit, in queue order, as many as there
+        are free seats (those asking for prompt logprobs take no prefix hits): the engine has
+        the disk tier stage their prefixes first."""
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        candidates = itertools.islice(self.waiting.values(), seats)
+        return [r for r in candidates if r.sampling_params.prompt_logprobs is None]
 
     # ---- one step --------------------------------------------------------------------------
 

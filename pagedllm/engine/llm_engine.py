@@ -221,6 +221,8 @@ class LLMEngine:
         """One step of every running request. A request whose own part fails (its sampling, its
         detokenization) ends with finish_reason "error" and the others go on; anything else raised
         here leaves the engine's state unknown, and the caller must stop using it."""
+        if self.kv_offload is not None:
+            self._stage_disk_hits()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -235,11 +237,27 @@ class LLMEngine:
 
     def warm_up(self, path: str) -> None:
         """Compute the prompts of a workload file (its conversations' first turns) into the prefix
-        cache, one token each: the first real requests that share them hit."""
+        cache, one token each: the first real requests that share them hit.
+
+        Raises:
+            ValueError: naming --prefix-cache-warmup and the file, when it cannot be read or
+                one of its prompts cannot be served.
+        """
         start = time.monotonic()
-        prompts = workload_prompts(self.tokenizer, load_workload(path))
-        for prompt_ids in prompts:
-            self.add_request(None, {"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=1))
+        try:
+            prompts = workload_prompts(self.tokenizer, load_workload(path))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"prefix_cache_warmup: cannot read {path} ({_describe(error)}); give --prefix-cache-warmup "
+                "a JSONL file with a prompt (and max_tokens) or a conversation per line"
+            ) from None
+        for index, prompt_ids in enumerate(prompts):
+            try:
+                self.add_request(None, {"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=1))
+            except ValueError as error:
+                raise ValueError(
+                    f"prefix_cache_warmup: {path}, prompt {index + 1}: {error}; fix or drop it"
+                ) from None
         while self.has_unfinished_requests():
             self.step()
         logger.info(
@@ -257,6 +275,18 @@ class LLMEngine:
             self._save_kv_offload()
         finally:
             self.executor.shutdown()
+
+    def _stage_disk_hits(self) -> None:
+        """Before schedule(): the disk tier reads the blocks its lookups may hit (each candidate's
+        hashes after those cached in memory), so schedule() itself touches no file."""
+        assert self.kv_offload is not None
+        pool = self.kv_cache_manager.block_pool
+        chains = []
+        for request in self.scheduler.admission_candidates():
+            hashes = request.block_hashes[: (request.num_tokens - 1) // self.config.block_size]
+            num_in_memory = sum(1 for _ in itertools.takewhile(pool.get_cached_block, hashes))
+            chains.append(hashes[num_in_memory:])
+        self.kv_offload.stage(chains)
 
     def _save_kv_offload(self) -> None:
         if self.kv_offload is None:
@@ -355,12 +385,16 @@ class LLMEngine:
             ),
         )
         assert self.config.kv_offload_dir is not None
-        return DiskKVStore(
+        store = DiskKVStore(
             self.config.kv_offload_dir,
             int(self.config.kv_offload_max_bytes),
             key,
             self.worker.runner.kv_caches,
+            # one longest request's prefix in memory between its read and its load
+            max_staged_blocks=min(self.kv_cache_plan.num_blocks, -(-self.max_model_len // spec.block_size)),
         )
+        store.start()
+        return store
 
     def _log_startup_report(self, load_seconds: float) -> None:
         plan: KVCachePlan = self.kv_cache_plan
@@ -411,3 +445,9 @@ class LLMEngine:
             f"{plan.max_model_len:,}",
             plan.max_concurrency,
         )
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, KeyError):
+        return f"a line lacks the {error} field"
+    return getattr(error, "strerror", None) or str(error) or type(error).__name__

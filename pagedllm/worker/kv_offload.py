@@ -1,27 +1,40 @@
 """The prefix cache's disk tier: cached blocks that leave memory go to files, and come back.
 
-    evicted from the pool   -> save(block, hash): K/V copied out now, written by a writer thread
-    a later prefix lookup   -> load(block, hash): read, checked, copied into a fresh block
-    graceful shutdown       -> save every cached block, then wait for the writes
-    next start, same dir    -> the files are the index: the first requests hit
+    evicted from the pool     -> save(block, hash): K/V copied out now, written by the writer thread
+    before each schedule()    -> stage(chains): the reader thread reads the blocks the waiting
+                                 requests may hit, and checks them; a bounded wait for it
+    a prefix lookup           -> `hash in store`, load(block, hash): staged bytes copied into a
+                                 fresh block; schedule() never touches a file
+    graceful shutdown         -> save every cached block, then wait (bounded) for the writes
+    next start, same dir      -> the file names are the index: the first requests hit
 
 A file holds one block of every layer's K and V (scales included for 8-bit caches), keyed by the
 block's chained content hash, under DIR/<fingerprint>/. The fingerprint covers what makes bytes
 reusable: the model's config and weight files, the dtype, the KV cache dtype and shape, the block
-size and the hash function. Each file carries the fingerprint and a CRC32 of its payload; a file
-that does not match is skipped with a warning and deleted, never loaded into a wrong cache. The
+size and the hash function. Each file carries the fingerprint and a CRC32 of its payload. The
 directory is bounded by max_bytes: least recently used files go first.
+
+The tier can cost hits, never the engine: a file is read only if lstat and fstat say it is a
+regular file of exactly a block file's size (opened O_NONBLOCK|O_NOFOLLOW: a FIFO or a link under
+a block's name cannot block or redirect the read); one that does not match is refused (never
+loaded into a wrong cache) and deleted. Any OSError is a miss, warned about at most once a minute
+per kind. A directory that cannot be written is served read-only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import itertools
 import logging
 import os
 import queue
+import stat
 import threading
+import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,6 +43,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PGKV1\n"
+READ_WAIT_S = 2.0
+"""Longest a step waits for staged reads; a read running longer marks the disk stuck, and steps
+stop waiting for it (what is not staged in time is computed instead)."""
+CLOSE_WAIT_S = 120.0
+"""Longest a graceful shutdown waits for queued writes (a hung disk must not hang SIGTERM)."""
+WARN_INTERVAL_S = 60.0
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def fingerprint(model_folder: Path, parts: Iterable[object]) -> str:
@@ -45,29 +65,74 @@ def fingerprint(model_folder: Path, parts: Iterable[object]) -> str:
     return digest.hexdigest()[:32]
 
 
+class _RateLimitedWarnings:
+    """One line per message template a minute, with how many were held back: a failing disk
+    must not flood the log."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, template: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(template)
+            if last is not None and now - last < WARN_INTERVAL_S:
+                self._held[template] = self._held.get(template, 0) + 1
+                return
+            self._last[template] = now
+            held = self._held.pop(template, 0)
+        logger.warning(template + (f" ({held} more like it held back)" if held else ""), *args)
+
+
 class DiskKVStore:
+    """Blocks on disk by chained hash. The engine thread calls save, stage, `in` and load, which
+    never touch a file; the writer and reader threads (start() starts them) do all file I/O."""
+
     def __init__(
         self,
         directory: str | Path,
         max_bytes: int,
         fingerprint_hex: str,
         kv_caches: list[tuple[torch.Tensor, ...]],
+        max_staged_blocks: int,
     ) -> None:
         self.fingerprint = fingerprint_hex
-        self.directory = Path(directory) / fingerprint_hex
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.root = Path(directory)
+        self.directory = self.root / fingerprint_hex
         self.max_bytes = max_bytes
         self.kv_caches = kv_caches
-        self._files: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file size, LRU first
+        self.max_staged_blocks = max_staged_blocks
+        """Most blocks held in memory between their read and their load (one stage()'s worth)."""
+        self.read_only = False
+        self.num_refused = 0
+        self._cond = threading.Condition()  # guards every field below
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # on disk: hash -> file size, LRU first
         self._num_bytes = 0
-        self._lock = threading.Lock()
+        self._pending: set[bytes] = set()  # saved, not yet on disk
+        self._wanted: set[bytes] = set()  # what the last stage() asked for
+        self._to_read: deque[bytes] = deque()
+        self._reading: set[bytes] = set()  # queued or being read
+        self._read_started: float | None = None  # when the reader began its current file
+        self._staged: dict[bytes, memoryview] = {}  # read and checked: a block's K/V payload
+        self._closed = False
         # (hash, payload) to write, an Event to set once everything before it is written, None: stop
         self._writes: queue.SimpleQueue[tuple[bytes, bytes] | threading.Event | None] = queue.SimpleQueue()
-        self._pending: set[bytes] = set()  # queued, not yet on disk
-        self.num_refused = 0
+        self._tmp_names = itertools.count()
+        self._warnings = _RateLimitedWarnings()
+
+    def start(self) -> None:
+        """Open the directory (created if missing, served read-only if it cannot be written),
+        index its files and start the writer and reader threads.
+
+        Raises:
+            ValueError: naming --kv-offload-dir, when the directory cannot be created.
+        """
+        self._open_directory()
         self._index()
-        self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-offload", daemon=True)
-        self._writer.start()
+        for target, name in ((self._write_loop, "writer"), (self._read_loop, "reader")):
+            threading.Thread(target=target, name=f"pagedllm-kv-offload-{name}", daemon=True).start()
 
     @property
     def num_bytes(self) -> int:
@@ -77,14 +142,27 @@ class DiskKVStore:
     def num_blocks(self) -> int:
         return len(self._files)
 
+    # ---- the engine thread: no file I/O ----------------------------------------------------
+
     def __contains__(self, block_hash: bytes) -> bool:
-        """On disk (a block still queued for writing is not, yet)."""
-        with self._lock:
-            return block_hash in self._files
+        """Staged: loadable now, without touching a file."""
+        with self._cond:
+            return block_hash in self._staged
+
+    def load(self, block_id: int, block_hash: bytes) -> bool:
+        """Copy a staged block into `block_id`; False if it is not staged."""
+        with self._cond:
+            payload = self._staged.pop(block_hash, None)
+        if payload is None:
+            return False
+        self._copy_in(block_id, payload)
+        return True
 
     def save(self, block_id: int, block_hash: bytes) -> None:
         """Copy one block's K/V out now (the caller is about to reuse the block); write later."""
-        with self._lock:
+        if self.read_only:
+            return
+        with self._cond:
             if block_hash in self._files:
                 self._files.move_to_end(block_hash)
                 return
@@ -93,25 +171,64 @@ class DiskKVStore:
             self._pending.add(block_hash)
         self._writes.put((block_hash, self._block_bytes(block_id)))
 
-    def load(self, block_id: int, block_hash: bytes) -> bool:
-        """Read one block into `block_id`; False (and the file gone) if it is missing or does not
-        match this cache."""
-        payload = self._read(block_hash)
-        if payload is None:
-            return False
-        self._copy_in(block_id, payload)
-        return True
+    def stage(self, chains: Iterable[list[bytes]]) -> None:
+        """Have the blocks the next schedule() may load read and checked before it runs.
 
-    def flush(self) -> None:
-        """Wait until every queued block is on disk."""
+        Args:
+            chains: per waiting request, its block hashes after those cached in memory; of
+                each, the leading run on disk is staged, up to max_staged_blocks in all.
+
+        Staged blocks no chain wants any more are dropped. Waits at most READ_WAIT_S, and not
+        at all while the reader is stuck on one file that long: what is not staged is a miss.
+        """
+        with self._cond:
+            wanted = self._wanted_blocks(chains)
+            self._wanted = set(wanted)
+            for block_hash in [h for h in self._staged if h not in self._wanted]:
+                del self._staged[block_hash]
+            for block_hash in wanted:
+                if block_hash not in self._staged and block_hash not in self._reading:
+                    self._reading.add(block_hash)
+                    self._to_read.append(block_hash)
+            self._cond.notify_all()
+            deadline = time.monotonic() + READ_WAIT_S
+            while any(h in self._reading for h in wanted) and not self._is_reader_stuck():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+
+    def _wanted_blocks(self, chains: Iterable[list[bytes]]) -> list[bytes]:
+        wanted: dict[bytes, None] = {}
+        for chain in chains:
+            for block_hash in chain:
+                if len(wanted) == self.max_staged_blocks:
+                    return list(wanted)
+                if block_hash not in self._staged and block_hash not in self._files:
+                    break
+                wanted[block_hash] = None
+        return list(wanted)
+
+    def _is_reader_stuck(self) -> bool:
+        started = self._read_started
+        return started is not None and time.monotonic() - started > READ_WAIT_S
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is on disk (or failed); False if `timeout` ran out."""
         done = threading.Event()
         self._writes.put(done)
-        done.wait()
+        return done.wait(timeout)
 
     def close(self) -> None:
-        self.flush()
+        """Wait for the queued writes, at most CLOSE_WAIT_S, then stop both threads."""
+        if not self.flush(CLOSE_WAIT_S):
+            logger.warning(
+                "KV offload: writes to %s still queued after %.0f s; left", self.directory, CLOSE_WAIT_S
+            )
         self._writes.put(None)
-        self._writer.join()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     # ---- bytes in and out of the cache tensors -----------------------------------------------
 
@@ -119,9 +236,9 @@ class DiskKVStore:
         parts = [t[block_id] for layer in self.kv_caches for t in layer]
         return torch.stack(parts).contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
-    def _copy_in(self, block_id: int, payload: bytes) -> None:
+    def _copy_in(self, block_id: int, payload: memoryview) -> None:
         first = self.kv_caches[0][0][block_id]
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(first.dtype)
+        data = torch.frombuffer(payload, dtype=torch.uint8).view(first.dtype)
         data = data.view(-1, *first.shape).to(first.device)
         for index, tensor in enumerate(t for layer in self.kv_caches for t in layer):
             tensor[block_id].copy_(data[index])
@@ -131,60 +248,147 @@ class DiskKVStore:
         first = self.kv_caches[0][0][0]
         return first.numel() * first.element_size() * sum(len(layer) for layer in self.kv_caches)
 
-    # ---- files -----------------------------------------------------------------------------
+    # ---- files: start-up ---------------------------------------------------------------------
 
-    def _path(self, block_hash: bytes) -> Path:
-        return self.directory / f"{block_hash.hex()}.kv"
+    def _open_directory(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            if not self.root.is_dir():
+                raise ValueError(
+                    f"kv_offload_dir: cannot create {self.root} ({error.strerror or error}); "
+                    "create it or point --kv-offload-dir at a writable directory"
+                ) from None
+            self._become_read_only(error)
+            return
+        probe = self.directory / f".probe.{os.getpid()}.tmp"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            os.unlink(probe)
+        except OSError as error:
+            self._become_read_only(error)
+
+    def _become_read_only(self, error: OSError) -> None:
+        self.read_only = True
+        logger.warning(
+            "KV offload: --kv-offload-dir %s is not writable (%s): served read-only; evicted blocks "
+            "are not kept and nothing is written at shutdown",
+            self.root,
+            error.strerror or error,
+        )
 
     def _index(self) -> None:
-        """The files already there, oldest first, as the LRU order."""
+        """The block files already there, oldest first, as the LRU order; stale .tmp files (a
+        write cut short by a crash or a full disk) removed. Only lstat: nothing is opened."""
         entries = []
-        for path in self.directory.glob("*.kv"):
-            try:
-                entries.append((path.stat().st_mtime, bytes.fromhex(path.stem), path.stat().st_size))
-            except (OSError, ValueError):
-                continue
-        for _, block_hash, size in sorted(entries):
-            self._files[block_hash] = size
-            self._num_bytes += size
+        try:
+            with os.scandir(self.directory) as scan:
+                for entry in scan:
+                    if entry.name.endswith(".tmp") and not self.read_only:
+                        self._unlink(Path(entry.path))
+                    with contextlib.suppress(OSError, ValueError):
+                        info = entry.stat(follow_symlinks=False)
+                        if entry.name.endswith(".kv") and stat.S_ISREG(info.st_mode):
+                            entries.append((info.st_mtime, bytes.fromhex(entry.name[:-3])))
+        except OSError as error:
+            self._warnings.warn("KV offload: cannot list %s (%s); no blocks from it", self.directory, error)
+        for _, block_hash in sorted(entries):
+            self._add_file(block_hash)
         if self._files:
             logger.info(
-                "KV offload: %d cached blocks (%.2f GiB) in %s",
+                "KV offload: %d cached blocks (%.2f GiB) in %s%s",
                 len(self._files),
                 self.num_bytes / 2**30,
                 self.directory,
+                " (read-only)" if self.read_only else "",
             )
 
-    def _read(self, block_hash: bytes) -> bytes | None:
-        with self._lock:
-            if block_hash not in self._files:
-                return None
-            self._files.move_to_end(block_hash)
+    # ---- files: the reader thread --------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._to_read and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                block_hash = self._to_read.popleft()
+                if block_hash not in self._wanted:
+                    self._reading.discard(block_hash)
+                    continue
+                self._read_started = time.monotonic()
+            payload = None
+            try:
+                payload = self._read(block_hash)
+            finally:
+                with self._cond:
+                    self._read_started = None
+                    self._reading.discard(block_hash)
+                    if payload is not None and block_hash in self._wanted:
+                        self._staged[block_hash] = payload
+                    self._cond.notify_all()
+
+    def _read(self, block_hash: bytes) -> memoryview | None:
+        """A block's checked payload, or None (a miss; a file that is not this block refused)."""
         path = self._path(block_hash)
+        size = self._file_nbytes(block_hash)
         try:
-            raw = path.read_bytes()
-        except OSError:
+            if reason := _mismatch(os.lstat(path), size):
+                return self._refuse(block_hash, reason)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                # the file opened, not the one lstat saw: it may have been swapped since
+                if reason := _mismatch(os.fstat(fd), size):
+                    return self._refuse(block_hash, reason)
+                raw = _read_exactly(fd, size)
+                if raw is not None and not self.read_only:
+                    self._touch(fd, path)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            self._warnings.warn(
+                "KV offload: reading %s failed (%s); a cache miss", path, error.strerror or error
+            )
             self._forget(block_hash)
             return None
-        payload = self._check(raw, block_hash)
+        payload = self._check(raw, block_hash) if raw is not None else None
         if payload is None:
-            self.num_refused += 1
-            logger.warning(
-                "KV offload: %s does not match this cache (fingerprint, size or checksum); deleted", path
-            )
-            self._forget(block_hash, delete=True)
-            return None
-        os.utime(path)  # its place in the LRU order survives a restart
+            return self._refuse(block_hash, "fingerprint, size or checksum")
+        with self._cond:
+            if block_hash in self._files:
+                self._files.move_to_end(block_hash)
         return payload
 
-    def _check(self, raw: bytes, block_hash: bytes) -> bytes | None:
-        header = MAGIC + bytes.fromhex(self.fingerprint) + block_hash
-        body = raw[len(header) + 4 :]
-        if not raw.startswith(header) or len(body) != self._block_nbytes:
+    def _touch(self, fd: int, path: Path) -> None:
+        """Its place in the LRU order survives a restart (a failure costs only that)."""
+        try:
+            os.utime(fd)
+        except OSError as error:
+            self._warnings.warn("KV offload: cannot touch %s (%s)", path, error.strerror or error)
+
+    def _check(self, raw: bytearray, block_hash: bytes) -> memoryview | None:
+        header = self._header(block_hash)
+        body = memoryview(raw)[len(header) + 4 :]
+        if raw[: len(header)] != header or len(body) != self._block_nbytes:
             return None
         if zlib.crc32(body) != int.from_bytes(raw[len(header) : len(header) + 4], "little"):
             return None
         return body
+
+    def _refuse(self, block_hash: bytes, reason: str) -> None:
+        """A file under a block's name that is not that block of this cache: never loaded."""
+        with self._cond:
+            self.num_refused += 1
+        self._warnings.warn(
+            "KV offload: %s does not match this cache (%s); %s",
+            self._path(block_hash),
+            reason,
+            "ignored" if self.read_only else "deleted",
+        )
+        self._forget(block_hash, delete=not self.read_only)
+        return None
+
+    # ---- files: the writer thread --------------------------------------------------------------
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
@@ -193,33 +397,102 @@ class DiskKVStore:
                 continue
             block_hash, payload = item
             try:
-                self._write(block_hash, payload)
+                if not self.read_only:
+                    self._write(block_hash, payload)
             except OSError as error:
-                logger.warning("KV offload: writing a block failed (%s); it is not kept", error)
+                if error.errno in _READ_ONLY_ERRNOS:
+                    self._become_read_only(error)
+                else:
+                    self._warnings.warn(
+                        "KV offload: writing a block to %s failed (%s); it is not kept",
+                        self.directory,
+                        error.strerror or error,
+                    )
             finally:
-                with self._lock:
+                with self._cond:
                     self._pending.discard(block_hash)
 
     def _write(self, block_hash: bytes, payload: bytes) -> None:
-        header = MAGIC + bytes.fromhex(self.fingerprint) + block_hash
-        data = header + zlib.crc32(payload).to_bytes(4, "little") + payload
         path = self._path(block_hash)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        with self._lock:
-            self._files[block_hash] = len(data)
-            self._num_bytes += len(data)
-            victims = []
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{next(self._tmp_names)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                _write_all(fd, self._header(block_hash) + zlib.crc32(payload).to_bytes(4, "little"))
+                _write_all(fd, payload)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        victims = []
+        with self._cond:
+            self._add_file(block_hash)
             while self._num_bytes > self.max_bytes and self._files:
                 victim, size = self._files.popitem(last=False)
                 victims.append(victim)
                 self._num_bytes -= size
         for victim in victims:
-            self._path(victim).unlink(missing_ok=True)
+            self._unlink(self._path(victim))
+
+    # ---- files: either thread ------------------------------------------------------------------
+
+    def _path(self, block_hash: bytes) -> Path:
+        return self.directory / f"{block_hash.hex()}.kv"
+
+    def _header(self, block_hash: bytes) -> bytes:
+        return MAGIC + bytes.fromhex(self.fingerprint) + block_hash
+
+    def _file_nbytes(self, block_hash: bytes) -> int:
+        return len(self._header(block_hash)) + 4 + self._block_nbytes
+
+    def _add_file(self, block_hash: bytes) -> None:
+        """Counted at a block file's size whatever is there: a huge file under a block's name is
+        refused when read and cannot push good blocks out meanwhile."""
+        if block_hash not in self._files:
+            self._files[block_hash] = self._file_nbytes(block_hash)
+            self._num_bytes += self._files[block_hash]
 
     def _forget(self, block_hash: bytes, delete: bool = False) -> None:
-        with self._lock:
+        with self._cond:
             self._num_bytes -= self._files.pop(block_hash, 0)
         if delete:
-            self._path(block_hash).unlink(missing_ok=True)
+            self._unlink(self._path(block_hash))
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            self._warnings.warn("KV offload: cannot delete %s (%s)", path, error.strerror or error)
+
+
+def _mismatch(info: os.stat_result, size: int) -> str | None:
+    """Why a file cannot be a block file of `size` bytes, or None."""
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_size != size:
+        return f"{info.st_size:,} bytes, not {size:,}"
+    return None
+
+
+def _read_exactly(fd: int, size: int) -> bytearray | None:
+    """`size` bytes, or None if the file ends sooner (it shrank since fstat)."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        count = os.readv(fd, [view[done:]])
+        if count == 0:
+            return None
+        done += count
+    return buffer
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
