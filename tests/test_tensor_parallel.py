@@ -124,6 +124,33 @@ def test_tp2_greedy_equals_tp1_token_for_token(tiny_model, tp1, backend, all_red
     assert_same_output(run, tp1, f"TP=2 ({backend}, {all_reduce})")
 
 
+def test_a_shut_down_llm_lets_another_start_in_the_same_process(tiny_model, tp1):
+    """A notebook's second LLM(tensor_parallel_size=2): after shutdown(), leaving `with`, or the
+    first being collected; while the first still runs, an error that says what to do."""
+    import gc
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    args = {**ENGINE_ARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    with LLM(tiny_model, **args) as llm:
+        (first,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+    llm = LLM(tiny_model, **args)
+    with pytest.raises(RuntimeError, match=r"call that LLM's shutdown\(\)"):
+        LLM(tiny_model, **args)
+    assert dist.is_initialized()  # the refused start left the running engine's group alone
+    (again,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == tp1.tokens[0]
+    del llm
+    gc.collect()
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+    llm = LLM(tiny_model, **args)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert not dist.is_initialized()
+
+
 def test_an_untied_lm_head_splits_by_vocabulary_too(tmp_path):
     model = write_tiny_model(tmp_path, tie_word_embeddings=False)
     assert_same_output(generate(model, tensor_parallel_size=2), generate(model), "TP=2, untied")

@@ -144,7 +144,19 @@ def _reserve(path: str, size: int) -> str | None:
     return path
 
 
+def check_no_tp_group() -> None:
+    """Raise unless this process is free to start a group: torch.distributed holds one default
+    group per process, so a second engine cannot start while the first holds it."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "another tensor-parallel engine in this process still holds its torch.distributed group; "
+            "call that LLM's shutdown() (or create it with `with LLM(...) as llm:`) before starting "
+            "another"
+        )
+
+
 def destroy_tp_group() -> None:
+    """Free every group of this process (the default one and those made from it)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

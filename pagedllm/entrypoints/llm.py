@@ -27,12 +27,38 @@ class LLM:
     Args are EngineConfig's fields (`dtype`, `max_model_len`, `block_size`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_cache_memory_bytes`, `enable_prefix_caching`, `seed`, ...).
     `model=None` loads the embedded SmolLM2-135M-Instruct.
+
+    With tensor_parallel_size > 1 the engine holds this process's torch.distributed group and
+    ranks 1..: `shutdown()` (or leaving `with LLM(...) as llm:`) lets them go, so that another
+    LLM can start in the same process (a notebook, a test); an LLM that is garbage-collected
+    lets them go too.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         configure_logging()
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
+        self._is_shut_down = False
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, free the process group, and write the disk tier
+        (--kv-offload-dir). Idempotent; the LLM generates nothing after it."""
+        if not self._is_shut_down:
+            self._is_shut_down = True
+            self.llm_engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # Only what must not leak: ranks and the group (the disk tier is written by shutdown();
+        # here, at interpreter exit, the modules it needs may already be gone).
+        if not getattr(self, "_is_shut_down", True):
+            self._is_shut_down = True
+            self.llm_engine.executor.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -18,7 +18,12 @@ from pathlib import Path
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed.parallel_state import check_divides, destroy_tp_group, free_port
+from pagedllm.distributed.parallel_state import (
+    check_divides,
+    check_no_tp_group,
+    destroy_tp_group,
+    free_port,
+)
 from pagedllm.executor.abstract import Executor, FailureCallback, WorkerDiedError
 from pagedllm.executor.rank_main import RankSpec, StepInput, make_rank_worker
 from pagedllm.model.config import ModelConfig
@@ -62,6 +67,7 @@ class DistributedExecutor(Executor):
 
     def start(self, max_model_len: int) -> None:
         check_divides(self.model_config, self.tp_size)
+        check_no_tp_group()  # before any rank starts: a failed start would free the group it found
         self.config = config = self.config.replace(max_model_len=max_model_len)
         address = self._driver_address()
         port = free_port(address)
@@ -127,6 +133,7 @@ class DistributedExecutor(Executor):
                 logger.warning("Could not tell ranks 1.. to stop; ending them", exc_info=True)
         self._stop_ranks()
         destroy_tp_group()
+        atexit.unregister(self._at_exit)  # which holds this executor (and its model) otherwise
 
     def _at_exit(self) -> None:
         """The interpreter ends without shutdown() (an offline script): ranks 1.. end with it
