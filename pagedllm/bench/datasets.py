@@ -7,6 +7,7 @@
 - `jsonl`: our workloads (pagedllm/bench/workload.py), single-turn or conversations.
 
 `random` and `sharegpt` count tokens with the model's tokenizer: --tokenizer, else --model's.
+`pagedllm bench serve` and `bench sweep` both take these flags and load through `load_dataset_for`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.bench.workload import BenchRequest, Conversation, load_workload
+from pagedllm.config import EngineConfig
+from pagedllm.model.loader import resolve_model_folder, resolve_tokenizer_folder
+from pagedllm.tokenizer import load_tokenizer
 
 DATASET_NAMES = ("random", "sharegpt", "jsonl")
 DEFAULT_NUM_PROMPTS = 1000  # vLLM's, for the sampled sets; a JSONL file is used whole
@@ -79,6 +83,33 @@ def dataset_name(args: argparse.Namespace) -> str:
     if args.dataset_name != "random" and args.dataset_path is None:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
     return args.dataset_name
+
+
+def dataset_source(args: argparse.Namespace) -> str:
+    """How a report names the set: its kind, and its file where it has one."""
+    return dataset_name(args) + (f" {args.dataset_path}" if args.dataset_path else "")
+
+
+def load_dataset_for(
+    args: argparse.Namespace, config: EngineConfig
+) -> tuple[list[BenchRequest] | list[Conversation], Path | None]:
+    """The requests the flags ask for, counted with the tokenizer `config` names and seeded with its
+    seed; also that tokenizer's folder (None for a JSONL set, which needs none)."""
+    folder = None
+    if dataset_name(args) != "jsonl":
+        folder = _tokenizer_folder(config)
+    return load_dataset(args, load_tokenizer(folder) if folder else None, config.seed), folder
+
+
+def _tokenizer_folder(config: EngineConfig) -> Path:
+    """The tokenizer the engine would load with these flags, found without the model's weights."""
+    if config.tokenizer:
+        return resolve_tokenizer_folder(
+            config.tokenizer, revision=config.tokenizer_revision, download_dir=config.download_dir
+        )
+    return resolve_model_folder(
+        config.model, revision=config.revision, download_dir=config.download_dir, weights=False
+    )
 
 
 def load_dataset(

@@ -29,18 +29,16 @@ import httpx
 from tqdm import tqdm
 
 from pagedllm.bench.arrivals import arrival_times
-from pagedllm.bench.datasets import add_dataset_arguments, dataset_name, load_dataset
+from pagedllm.bench.datasets import add_dataset_arguments, dataset_name, dataset_source, load_dataset_for
 from pagedllm.bench.prefix import Client, make_clients, run_closed_loop
 from pagedllm.bench.serve_metrics import METRICS, SLO_METRICS, RequestRecord, ServeResult
 from pagedllm.bench.serve_report import build_report, result_path, save_plot
 from pagedllm.bench.throughput import git_sha
 from pagedllm.bench.workload import BenchRequest, Conversation
-from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_args
+from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
-from pagedllm.model.loader import resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import load_tokenizer
 
 Items = list[BenchRequest] | list[Conversation]
 Done = Callable[[RequestRecord], None]
@@ -263,9 +261,8 @@ def _header(args: argparse.Namespace, model: str, num_requests: int) -> str:
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     if not math.isinf(args.request_rate) and args.burstiness != 1.0:
         rate += f" (burstiness {args.burstiness:g})"
-    source = dataset_name(args) + (f" {args.dataset_path}" if args.dataset_path else "")
     return (
-        f"{num_requests} requests from {source} to {base_url(args)} ({model}), {rate}, "
+        f"{num_requests} requests from {dataset_source(args)} to {base_url(args)} ({model}), {rate}, "
         f"at most {args.max_concurrency or 'all'} in flight; git {git_sha()}"
     )
 
@@ -288,25 +285,12 @@ def offline_throughput(args: argparse.Namespace, items: Items) -> float:
     return run_closed_loop(engine, clients, args.max_concurrency or len(clients)).output_throughput
 
 
-def _tokenizer_folder(config: EngineConfig) -> Path:
-    """The tokenizer the engine would load with these flags, found without the model's weights."""
-    if config.tokenizer:
-        return resolve_tokenizer_folder(
-            config.tokenizer, revision=config.tokenizer_revision, download_dir=config.download_dir
-        )
-    return resolve_model_folder(
-        config.model, revision=config.revision, download_dir=config.download_dir, weights=False
-    )
-
-
 def main(args: argparse.Namespace) -> None:
     configure_logging()
-    tokenizer_id = None
     try:
         config = engine_config_from_args(args)  # --model, --tokenizer and --seed are engine flags
-        if dataset_name(args) != "jsonl":
-            tokenizer_id = str(_tokenizer_folder(config))
-        items = load_dataset(args, load_tokenizer(tokenizer_id) if tokenizer_id else None, config.seed)
+        items, tokenizer_folder = load_dataset_for(args, config)
+        tokenizer_id = str(tokenizer_folder) if tokenizer_folder else None
         send_times = arrival_times(len(items), args.request_rate, args.burstiness, config.seed)
     except (ValueError, OSError) as error:
         raise SystemExit(f"pagedllm bench serve: {error}") from None

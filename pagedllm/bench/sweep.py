@@ -1,12 +1,16 @@
 """`pagedllm bench sweep`: the tuning rounds users do by hand, as one command.
 
 For each setting of a grid (any engine flag; by default max_num_seqs x max_num_batched_tokens x
-kv_cache_dtype x block_size, plus the defaults themselves) one engine process replays the workload
-(offline, all requests at t=0 unless --request-rate) and reports output tokens/s, TTFT p50/p95,
+kv_cache_dtype x block_size, plus the defaults themselves) one engine process replays the same
+requests (offline, all requests at t=0 unless --request-rate) and reports output tokens/s, TTFT p50/p95,
 TPOT p50, the prefix-cache hit rate, preemptions and peak KV usage. Then: a table, JSON, a PNG of
 throughput against TTFT p95 with the Pareto front marked, and the setting with the most throughput
 within the SLOs, printed as the `pagedllm serve` command that runs it. --budget-minutes bounds the
 whole sweep: settings not reached are listed as skipped.
+
+The requests come from `pagedllm bench serve`'s dataset flags (datasets.py: `random`, ShareGPT JSON,
+a single-turn JSONL workload), drawn once with the tokenizer and seed of the --set flags and handed
+to every setting's process as one JSONL file.
 """
 
 from __future__ import annotations
@@ -18,10 +22,15 @@ import random
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pagedllm.bench.datasets import add_dataset_arguments, dataset_source, load_dataset_for
+from pagedllm.bench.workload import BenchRequest, write_requests
+from pagedllm.config import EngineConfig
 
 DEFAULT_GRID: dict[str, list[Any]] = {
     "max_num_seqs": [8, 16, 32, 64],
@@ -50,8 +59,7 @@ class SettingResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True, help="JSONL request set (as `bench throughput`)")
-    parser.add_argument("--num-requests", type=int, default=None, help="the first N requests only")
+    add_dataset_arguments(parser)
     parser.add_argument(
         "--grid",
         action="append",
@@ -118,9 +126,33 @@ def settings_of(grid: dict[str, list[Any]], seed: int) -> list[dict[str, Any]]:
     return [{}, *combos]
 
 
+def sweep_requests(args: argparse.Namespace, fixed: dict[str, Any]) -> list[BenchRequest]:
+    """The requests every setting replays: the dataset flags' set, as `bench serve` loads it with
+    the same --model, --tokenizer and --seed (here --set flags)."""
+    try:
+        items, _ = load_dataset_for(args, EngineConfig(**fixed))
+    except (ValueError, OSError, TypeError) as error:
+        raise SystemExit(f"pagedllm bench sweep: {error}") from None
+    if not all(isinstance(item, BenchRequest) for item in items):
+        raise SystemExit(
+            f"pagedllm bench sweep: {args.dataset_path} holds conversations; the sweep replays "
+            "single-turn requests (use `pagedllm bench prefix` for conversations)"
+        )
+    return items  # type: ignore[return-value]
+
+
 def main(args: argparse.Namespace) -> None:
     grid = parse_grid(args.grid)
     fixed = {k.replace("-", "_"): _value(v) for k, v in (s.partition("=")[::2] for s in args.set)}
+    with tempfile.TemporaryDirectory(prefix="pagedllm-sweep-") as folder:
+        requests_path = Path(folder) / "requests.jsonl"
+        write_requests(requests_path, sweep_requests(args, fixed))
+        _sweep(args, grid, fixed, requests_path)
+
+
+def _sweep(
+    args: argparse.Namespace, grid: dict[str, list[Any]], fixed: dict[str, Any], requests_path: Path
+) -> None:
     settings = settings_of(grid, args.seed)
     deadline = time.monotonic() + args.budget_minutes * 60
     results: list[SettingResult] = []
@@ -131,7 +163,7 @@ def main(args: argparse.Namespace) -> None:
             break
         label = _label(setting)
         print(f"[{index + 1}/{len(settings)}] {label} ({left / 60:.1f} min of budget left)", flush=True)
-        result = run_setting({**fixed, **setting}, args)
+        result = run_setting({**fixed, **setting}, requests_path, args.request_rate)
         result.setting = setting
         results.append(result)
         print(f"    {_summary(result)}", flush=True)
@@ -154,12 +186,10 @@ def main(args: argparse.Namespace) -> None:
         save_plot(results, args.plot)
 
 
-def run_setting(setting: dict[str, Any], args: argparse.Namespace) -> SettingResult:
+def run_setting(setting: dict[str, Any], requests_path: Path, request_rate: float) -> SettingResult:
     """One engine process: a fresh process per setting, so memory and threads start clean."""
-    command = [sys.executable, "-m", "pagedllm.bench.sweep_run", "--workload", args.workload]
-    command += ["--setting", json.dumps(setting), "--request-rate", str(args.request_rate)]
-    if args.num_requests:
-        command += ["--num-requests", str(args.num_requests)]
+    command = [sys.executable, "-m", "pagedllm.bench.sweep_run", "--workload", str(requests_path)]
+    command += ["--setting", json.dumps(setting), "--request-rate", str(request_rate)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         error = (done.stderr.strip().splitlines() or ["failed"])[-1]
@@ -211,7 +241,7 @@ def report(
 ) -> str:
     lines = [
         "",
-        f"sweep of {args.workload}: {len(results)} settings in {elapsed / 60:.1f} min"
+        f"sweep of {dataset_source(args)}: {len(results)} settings in {elapsed / 60:.1f} min"
         + (f", {len(skipped)} skipped (budget)" if skipped else ""),
         f"{'setting':58} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'hit':>6} "
         f"{'preempt':>7} {'peak KV':>7}",

@@ -1,4 +1,5 @@
-"""One setting of `pagedllm bench sweep`, in its own process: prints one JSON line of results."""
+"""One setting of `pagedllm bench sweep`, in its own process: replays the sweep's requests (a
+single-turn JSONL file the sweep wrote) and prints one JSON line of results."""
 
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", required=True)
     parser.add_argument("--setting", required=True, help="engine flags as JSON")
-    parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     args = parser.parse_args()
-    requests = load_requests(args.workload, args.num_requests)
+    requests = load_requests(args.workload)
     engine = LLMEngine(EngineConfig(**{"disable_log_stats": True, **json.loads(args.setting)}))
     engine.add_request("warm-up", "Hello", SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():

@@ -50,6 +50,14 @@ def load_requests(path: str | Path, limit: int | None = None) -> list[BenchReque
     return workload  # type: ignore[return-value]
 
 
+def write_requests(path: str | Path, requests: list[BenchRequest]) -> None:
+    """A single-turn set as a JSONL file load_workload reads back (prompt_len is not kept)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps({"prompt": r.prompt, "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}))
+            f.write("\n")
+
+
 def _read_jsonl(path: str | Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
