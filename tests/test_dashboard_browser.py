@@ -129,3 +129,50 @@ def test_dashboard_follows_traffic(server, browser, tmp_path):
     fresh = open_dashboard(browser, server)
     fresh.wait_for_function("() => charts.throughput.data[1].some(v => v > 0)", timeout=5_000)
     fresh.close()
+
+
+def test_gaps_break_the_lines_and_empty_panels_say_so(browser):
+    """The page on canned /stats answers, no server: samples minutes apart get a null between
+    them (no line slides across an idle stretch), nulls stay nulls, the block map's states are
+    explained in words, and an empty divergence table says "none found"."""
+    from pathlib import Path
+
+    from pagedllm.metrics.live_stats import Sample
+
+    page_dir = Path(__file__).parents[1] / "pagedllm" / "entrypoints" / "openai"
+    times = [1000.0, 1002.0, 1004.0, 1664.0, 1666.0]  # 11 idle minutes after the third sample
+    history = {name: [0.5] * len(times) for name in Sample._fields} | {"time": times}
+    history["hit_rate"] = [0.95, 0.95, None, 0.0, 0.0]
+    stats = {
+        "model": "canned", "running": 0, "waiting": 0, "finished": 3, "preemptions": 0,
+        "kv_cache": {"usage": 0.1, "num_blocks": 4, "block_size": 16},
+        "prompt_tokens_computed": 10, "generation_tokens": 5,
+        "prefix_cache": {"hit_rate": 0.5, "preempted_recompute_saved": 0, "by_prompt_length": {},
+                         "by_user": {}},
+        "latency_s": {}, "window": 3, "history": history, "prefix_divergence": [],
+    }  # fmt: skip
+    blocks = {"num_blocks": 4, "states": ".cus", "counts": {"free": 1, "cached": 1, "used": 1, "shared": 1}}
+
+    def answer(route):
+        path = route.request.url.split("dash.test", 1)[1].split("#")[0]
+        if path == "/dashboard":
+            return route.fulfill(body=(page_dir / "dashboard.html").read_text(), content_type="text/html")
+        if path.startswith("/static/"):
+            return route.fulfill(path=page_dir / path.lstrip("/"))
+        return route.fulfill(json=stats if path == "/stats" else blocks)
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.route("http://dash.test/**", answer)
+    page.goto("http://dash.test/dashboard")
+    page.wait_for_function("() => charts.cache.data[0].length > 0 && blockStates.length", timeout=WAIT_MS)
+    x, hit_rate = page.evaluate("() => [charts.cache.data[0], charts.cache.data[2]]")
+    assert x == [1000.0, 1002.0, 1004.0, 1006.0, 1664.0, 1666.0]  # the gap's null at 1006
+    assert hit_rate == [95.0, 95.0, None, None, 0.0, 0.0]
+    assert page.evaluate("() => charts.cache.series.every(s => !s.spanGaps)")
+    meaning = page.locator("#block_meaning").text_content()
+    for name in ("Free", "Cached", "Used", "Shared"):
+        assert f"{name}: " in meaning
+    assert page.locator("#divergence").text_content().startswith("none found")
+    assert page.locator("#divergence th").count() == 0
+    assert page.locator("#error").text_content() == ""
+    page.close()
