@@ -28,8 +28,17 @@ INT32_MAX = 2**31 - 1
 MAX_GRAMMAR_SPEC_CHARS = 64 * 1024
 """A JSON schema, regex, EBNF grammar or choice list (as text): compiling one is work off the
 engine thread, but work nonetheless."""
+MAX_GRAMMAR_DEPTH = 64
+"""Deepest nesting of objects and lists in a JSON schema, whether sent as an object or as text:
+a compile's cost grows steeply with depth (450 levels: tens of seconds)."""
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
-"""A grammar that takes longer to compile is refused (the compile thread finishes it alone)."""
+"""A grammar that takes longer to compile is refused, and its compile process killed."""
+GRAMMAR_COMPILE_WORKERS = 2
+"""Compile processes: one compile that runs to its timeout holds up the others for none of it."""
+MAX_COMPILED_GRAMMAR_BYTES = 16 * 1024**2
+"""A compiled grammar's memory (its per-state token masks): a larger one is refused."""
+MAX_CACHED_GRAMMAR_BYTES = 256 * 1024**2
+"""Compiled grammars kept for reuse, all together (the least recently used go first)."""
 MAX_JSON_DEPTH = 64
 """Deepest nesting of lists and objects in a request body."""
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024**2

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm import limits
+from pagedllm.structured_output.json_schema import parse_json_schema
 
 _GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -38,14 +39,7 @@ class StructuredOutputsParams:
             )
         kind = asked[0]
         if kind == "json":
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as error:
-                    raise ValueError(f"structured_outputs.json: not valid JSON ({error})") from None
-            if not isinstance(schema, dict | bool):
-                raise ValueError("structured_outputs.json: a JSON schema is an object")
+            parse_json_schema(self.json)  # bounded depth first: `spec` dumps an object schema
         elif kind == "json_object":
             if self.json_object is not True:
                 raise ValueError("structured_outputs.json_object: must be true")

@@ -6,6 +6,7 @@ grammar or tool_choice is a 400 that leaves the server serving."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -121,6 +122,32 @@ def test_bad_structured_requests_are_400s(client, extra):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=extra)
     assert chat(client, max_tokens=2).choices[0].message.content is not None
+
+
+def nested_schema_text(depth: int) -> str:
+    """`depth` objects, each the only property of the one above (450: the 15 KB schema of issue
+    21, which compiled for 25-45 s)."""
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (nested_schema_text(450), "nested deeper than 64 levels"),
+        ("[" * 30_000 + "]" * 30_000, "nested deeper than 64 levels"),  # json.loads: RecursionError
+        (
+            {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+            "points outside the schema",
+        ),
+    ],
+)
+def test_schemas_too_deep_or_remote_are_fast_400s(client, schema, message):
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match=message):
+        chat(client, max_tokens=4, extra_body={"structured_outputs": {"json": schema}})
+    assert time.monotonic() - start < 5  # checked before compiling, not cut by the compile timeout
+    reply = chat(client, response_format=json_schema_format(PERSON))
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
 
 
 def test_named_tool_choice_returns_a_valid_call(client):

@@ -33,13 +33,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm import limits
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import INVALID_REQUEST, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.compile_pool import GrammarCompilePool, PoolClosedError
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +139,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._submit_lock = threading.Lock()
         self._is_stopped = False
-        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
+        self._grammar_pool: GrammarCompilePool | None = None  # at the first structured request
 
     @property
     def is_healthy(self) -> bool:
@@ -185,7 +189,8 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         """Stop the engine thread after the commands already queued (aborts among them)."""
         self.stop_admitting()
-        self._grammar_thread.shutdown(wait=False, cancel_futures=True)
+        if self._grammar_pool is not None:
+            self._grammar_pool.close()  # kills the compile processes: nothing to wait for
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(None)
             await asyncio.to_thread(self._thread.join)
@@ -207,8 +212,9 @@ class AsyncLLM:
         QueueFullError past --max-queue-len, EngineUnavailableError when not serving."""
         self._check_available()
         self._check(prompts, params, cache_salt, user)
+        grammar = None
         if params.structured_outputs is not None:
-            await self._compile_grammar(params.structured_outputs)
+            grammar = await self._compile_grammar(params.structured_outputs)
         req_ids = [f"{request_id}-{i}" for i in range(len(prompts) * params.n)]
         stream = RequestStream(self, req_ids)
         # Routes exist before the add is sent, so the first outputs always find their stream.
@@ -217,7 +223,7 @@ class AsyncLLM:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         try:
             await self.call(
-                lambda engine: self._add(engine, prompts, params, req_ids, arrival, cache_salt, user)
+                lambda engine: self._add(engine, prompts, params, req_ids, arrival, cache_salt, user, grammar)
             )
         except asyncio.CancelledError:
             self.abort(req_ids)  # the add may have gone through before the handler was cancelled
@@ -268,17 +274,20 @@ class AsyncLLM:
                     prompt["prompt_token_ids"], params, cache_salt=cache_salt, user=user
                 )
 
-    async def _compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """Compile a request's grammar on the grammar thread (a slow one holds up no step and no
-        tokenization); the engine thread then finds it cached. ValueError if it is invalid or too slow."""
-        future = self._grammar_thread.submit(self.engine.structured_output.compile, params)
+    async def _compile_grammar(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """Compile a request's grammar in a compile process (a slow one holds up no step, no
+        tokenization and no other request's compile: GrammarCompilePool). ValueError if it is
+        invalid or too slow; EngineUnavailableError if shutdown cuts it."""
+        if self._grammar_pool is None:
+            self._grammar_pool = GrammarCompilePool(
+                self.engine.structured_output,
+                num_workers=limits.GRAMMAR_COMPILE_WORKERS,
+                timeout_s=limits.GRAMMAR_COMPILE_TIMEOUT_S,
+            )
         try:
-            await asyncio.wait_for(asyncio.wrap_future(future), limits.GRAMMAR_COMPILE_TIMEOUT_S)
-        except TimeoutError:
-            raise ValueError(
-                f"structured_outputs.{params.kind}: took over {limits.GRAMMAR_COMPILE_TIMEOUT_S:g} s "
-                "to compile; simplify it"
-            ) from None
+            return await self._grammar_pool.compile(params)
+        except PoolClosedError:
+            raise EngineUnavailableError("the server is shutting down") from None
 
     def _check_available(self) -> None:
         if self.error is not None:
@@ -316,7 +325,10 @@ class AsyncLLM:
         arrival_time: float,
         cache_salt: str | None,
         user: str | None,
+        grammar: xgrammar.CompiledGrammar | None,
     ) -> None:
+        if grammar is not None:  # cached again here, so add_request finds it whatever came since
+            engine.structured_output.put(params.structured_outputs, grammar)
         if self.max_queue_len is not None:
             waiting = engine.get_stats().num_waiting_reqs
             if waiting + len(req_ids) > self.max_queue_len:

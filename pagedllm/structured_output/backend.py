@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm import limits
 from pagedllm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -46,9 +47,11 @@ class RequestGrammar:
 
 
 class StructuredOutputBackend:
-    """Compiles grammars for one tokenizer and vocabulary. Thread-safe: the server compiles on its
-    own thread, the engine thread only finds the result in the cache. The vocabulary index that
-    xgrammar needs (~1 s for 50k tokens) is built at the first structured request, not at start-up."""
+    """Compiles grammars for one tokenizer and vocabulary, and keeps them for reuse. Thread-safe.
+    The offline API compiles here, in-process; the server compiles in worker processes
+    (GrammarCompilePool) and `put`s the result, so the engine thread only finds it cached. The
+    vocabulary index that xgrammar needs (~1 s for 50k tokens) is built at the first structured
+    request, not at start-up."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int]
@@ -57,37 +60,56 @@ class StructuredOutputBackend:
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[str, str, bool], xgrammar.CompiledGrammar] = OrderedDict()
+        self._tokenizer_info: xgrammar.TokenizerInfo | None = None  # with the compiler
+        self._cache: OrderedDict[GrammarKey, xgrammar.CompiledGrammar] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (cached). ValueError naming the field for an invalid grammar."""
-        key = (params.kind, params.spec, params.disable_any_whitespace)
+        compiled = self.cached(params)
+        if compiled is None:
+            compiled = compile_grammar(self._get_compiler(), grammar_key(params), self.vocab_size)
+            self.put(params, compiled)
+        return compiled
+
+    def cached(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar | None:
+        key = grammar_key(params)
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-                return compiled
-        compiler = self._get_compiler()
-        start = time.monotonic()
-        try:
-            compiled = _compile(compiler, params)
-        except (RuntimeError, ValueError, TypeError) as error:
-            raise ValueError(f"structured_outputs.{params.kind}: {_first_line(error)}") from None
-        if not _can_start(compiled, self.vocab_size):
-            raise ValueError(
-                f"structured_outputs.{params.kind}: no token of this model's vocabulary can begin "
-                "an output this grammar allows"
-            )
-        logger.debug("Compiled a %s grammar in %.0f ms", params.kind, (time.monotonic() - start) * 1e3)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return compiled
+            return compiled
 
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
         return RequestGrammar(self.compile(params))
+
+    def put(self, params: StructuredOutputsParams, compiled: xgrammar.CompiledGrammar) -> None:
+        """Cache a grammar compiled elsewhere (or refresh one): the next `compile` finds it."""
+        key = grammar_key(params)
+        with self._lock:
+            previous = self._cache.pop(key, None)
+            if previous is not None:
+                self._cached_bytes -= previous.memory_size_bytes
+            self._cache[key] = compiled
+            self._cached_bytes += compiled.memory_size_bytes
+            while len(self._cache) > 1 and (
+                len(self._cache) > MAX_CACHED_GRAMMARS or self._cached_bytes > limits.MAX_CACHED_GRAMMAR_BYTES
+            ):
+                self._cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+
+    def tokenizer_info_json(self) -> str:
+        """The vocabulary index, as a compile process needs it (and as it must deserialize against)."""
+        self._get_compiler()
+        assert self._tokenizer_info is not None
+        return self._tokenizer_info.serialize_json()
+
+    def deserialize(self, compiled_json: str) -> xgrammar.CompiledGrammar:
+        """A grammar a compile process serialized."""
+        import xgrammar
+
+        self._get_compiler()
+        return xgrammar.CompiledGrammar.deserialize_json(compiled_json, self._tokenizer_info)
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:
@@ -95,26 +117,63 @@ class StructuredOutputBackend:
                 import xgrammar
 
                 start = time.monotonic()
-                info = xgrammar.TokenizerInfo.from_huggingface(
+                self._tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgrammar.GrammarCompiler(
+                    self._tokenizer_info, max_threads=1, cache_enabled=False
+                )
                 logger.info("Structured output: xgrammar ready in %.1f s", time.monotonic() - start)
             return self._compiler
 
 
-def _compile(compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-    any_whitespace = not params.disable_any_whitespace
-    if params.kind == "json":
-        return compiler.compile_json_schema(params.spec, any_whitespace=any_whitespace, strict_mode=True)
-    if params.kind == "json_object":
+GrammarKey = tuple[str, str, bool]
+"""(kind, spec, disable_any_whitespace): what a compiled grammar depends on; plain data, so it
+crosses to a compile process as JSON."""
+
+
+def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+    return (params.kind, params.spec, params.disable_any_whitespace)
+
+
+def compile_grammar(
+    compiler: xgrammar.GrammarCompiler, key: GrammarKey, vocab_size: int
+) -> xgrammar.CompiledGrammar:
+    """Compile and vet one grammar. ValueError naming the field if it is invalid, too large, or
+    allows no first token of this vocabulary."""
+    kind = key[0]
+    start = time.monotonic()
+    try:
+        compiled = _compile(compiler, key)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise ValueError(f"structured_outputs.{kind}: {_first_line(error)}") from None
+    if compiled.memory_size_bytes > limits.MAX_COMPILED_GRAMMAR_BYTES:
+        raise ValueError(
+            f"structured_outputs.{kind}: compiles to {compiled.memory_size_bytes / 2**20:.0f} MiB, over the "
+            f"limit of {limits.MAX_COMPILED_GRAMMAR_BYTES / 2**20:.0f} MiB; simplify it"
+        )
+    if not _can_start(compiled, vocab_size):
+        raise ValueError(
+            f"structured_outputs.{kind}: no token of this model's vocabulary can begin "
+            "an output this grammar allows"
+        )
+    logger.debug("Compiled a %s grammar in %.0f ms", kind, (time.monotonic() - start) * 1e3)
+    return compiled
+
+
+def _compile(compiler: xgrammar.GrammarCompiler, key: GrammarKey) -> xgrammar.CompiledGrammar:
+    kind, spec, disable_any_whitespace = key
+    any_whitespace = not disable_any_whitespace
+    if kind == "json":
+        return compiler.compile_json_schema(spec, any_whitespace=any_whitespace, strict_mode=True)
+    if kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
-    if params.kind == "regex":
-        return compiler.compile_regex(params.spec)
-    if params.kind == "choice":
-        alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice or [])
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec))
         return compiler.compile_grammar(f"root ::= {alternatives}")
-    return compiler.compile_grammar(params.spec)
+    return compiler.compile_grammar(spec)
 
 
 def _can_start(compiled: xgrammar.CompiledGrammar, vocab_size: int) -> bool:
