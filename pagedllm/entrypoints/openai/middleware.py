@@ -17,7 +17,8 @@ from pagedllm.entrypoints.openai.errors import APIError, error_response, http_er
 GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/stats")
 """What the API key guards (by prefix): the API, tokenization (it is the model's tokenizer), /stats
 (it names callers) and /stats/kv_blocks (request ids and callers by block). /health, /version,
-/metrics, /dashboard (a page that asks for the key) and /static (its chart library) stay open."""
+/metrics (open as vLLM's: with a key set it leaves callers out, prometheus.caller_labels_on),
+/dashboard (a page that asks for the key) and /static (its chart library) stay open."""
 
 
 class APIKeyMiddleware:
