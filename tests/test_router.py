@@ -28,6 +28,7 @@ from pagedllm.entrypoints.router.policy import CacheAware, Replica, RoundRobin
 from pagedllm.entrypoints.router.prefix_index import PrefixIndex, chunk_hashes
 from pagedllm.entrypoints.router.replicas import ReplicaSet
 from pagedllm.entrypoints.router.request_text import request_text
+from pagedllm.entrypoints.router.stats import merge_histories
 
 from .conftest import die_with_parent, server_engine_args
 from .test_server import RemoteServer
@@ -95,6 +96,25 @@ def test_a_down_replica_comes_back_when_its_health_probe_passes() -> None:
     assert replica_set.healthy() == [r0, r1]
     asyncio.run(probe(503))
     assert replica_set.healthy() == []
+
+
+def test_chart_samples_of_two_replicas_meet_on_shared_slots() -> None:
+    def history(times: list[float], rate: float, usage: float, hit_rate: float | None) -> dict[str, list]:
+        n = len(times)
+        columns = {"time": times, "prompt_tokens_per_s": [rate] * n, "generation_tokens_per_s": [rate] * n}
+        columns |= {"running": [1] * n, "waiting": [0] * n, "kv_cache_usage": [usage] * n}
+        return columns | {"hit_rate": [hit_rate] * n, "ttft_p50": [rate] * n, "ttft_p95": [None] * n}
+
+    # the second replica samples 0.5 s later, and has no sample in the first slot
+    merged = merge_histories(
+        [history([100.0, 102.0, 104.0], 1.0, 0.2, 0.5), history([102.5, 104.5], 3.0, 0.8, None)], [1, 3]
+    )
+    assert merged["time"] == [100.0, 102.5, 104.5]
+    assert merged["generation_tokens_per_s"] == [1.0, 4.0, 4.0]
+    assert merged["running"] == [1, 2, 2]
+    assert merged["kv_cache_usage"] == pytest.approx([0.2, 0.65, 0.65])  # weighted by blocks, 1:3
+    assert merged["hit_rate"] == [0.5, 0.5, 0.5] and merged["ttft_p50"] == [1.0, 3.0, 3.0]
+    assert merged["ttft_p95"] == [None, None, None]
 
 
 # ---- two real replicas ---------------------------------------------------------------------------

@@ -98,7 +98,8 @@ def add_stats_routes(app: FastAPI, client: httpx.AsyncClient, replica_set: Repli
 async def _get_all(
     client: httpx.AsyncClient, replicas: list[Replica], path: str, request: Request
 ) -> dict[str, httpx.Response | Exception]:
-    """Each healthy replica's 200 or 401 answer to GET path, else what went wrong, by URL."""
+    """Each healthy replica's 200 or 401 answer to GET path, else what went wrong, by URL in
+    --replica order (the order the block map lays them out)."""
 
     async def get(replica: Replica) -> httpx.Response | Exception:
         try:
@@ -109,10 +110,11 @@ async def _get_all(
             return answer
         return RuntimeError(f"{path} answered {answer.status_code}")
 
-    healthy = [r for r in replicas if r.is_healthy]
-    answers = await asyncio.gather(*(get(r) for r in healthy))
-    down = {r.url: RuntimeError("down (its /health failed)") for r in replicas if not r.is_healthy}
-    return {**dict(zip([r.url for r in healthy], answers, strict=True)), **down}
+    async def down() -> Exception:
+        return RuntimeError("down (its /health failed)")
+
+    answers = await asyncio.gather(*(get(r) if r.is_healthy else down() for r in replicas))
+    return {r.url: answer for r, answer in zip(replicas, answers, strict=True)}
 
 
 def _auth(request: Request) -> dict[str, str]:
