@@ -128,7 +128,7 @@ def test_sigterm_during_a_long_compile_exits_within_the_shutdown_timeout():
             assert server.proc.wait(60) == 0
             assert time.monotonic() - start < 3 + 7  # not the compile's tens of seconds
             thread.join(60)
-        assert cut["response"].status_code in (500, 503)  # cut by the shutdown, not served
+        assert cut["response"].status_code == 503, cut["response"]  # cut by the shutdown, like others
         time.sleep(0.5)
         assert not any(is_running(pid) for pid in workers)  # killed, not left compiling
     finally:

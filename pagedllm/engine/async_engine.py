@@ -288,6 +288,12 @@ class AsyncLLM:
             return await self._grammar_pool.compile(params)
         except PoolClosedError:
             raise EngineUnavailableError("the server is shutting down") from None
+        except asyncio.CancelledError:
+            if self.is_accepting:
+                raise
+            # cut by the shutdown's timeout: answered as a 503 like any request the shutdown refuses
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            raise EngineUnavailableError("the server is shutting down") from None
 
     def _check_available(self) -> None:
         if self.error is not None:
