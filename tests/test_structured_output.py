@@ -143,6 +143,19 @@ def test_a_bad_grammar_is_a_value_error_and_harms_no_one(llm, grammar, field):
     )
 
 
+def _nested_dict(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"items": schema}
+    return schema
+
+
+def test_schemas_within_the_limits_pass():
+    StructuredOutputsParams(json=_nested_dict(64))
+    StructuredOutputsParams(json='{"a": ' * 63 + '"[[[[{{{{ brackets in a string"' + "}" * 63)
+    StructuredOutputsParams(json={"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a"})
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -154,6 +167,11 @@ def test_a_bad_grammar_is_a_value_error_and_harms_no_one(llm, grammar, field):
         ({"json_object": False, "regex": ""}, "non-empty string"),
         ({"regex": "a" * 70_000}, "over the limit"),
         ({"regex": "\ud800"}, "lone surrogate"),
+        ({"json": "[" * 30_000 + "]" * 30_000}, "nested deeper than 64"),  # no RecursionError
+        ({"json": '{"a": ' * 65 + "1" + "}" * 65}, "nested deeper than 64"),
+        ({"json": _nested_dict(65)}, "nested deeper than 64"),
+        ({"json": {"$ref": "https://example.com/schema.json"}}, "points outside the schema"),
+        ({"json": "{" * 70_000}, "over the limit"),  # the size first: the depth scan is linear anyway
     ],
 )
 def test_structured_outputs_params_checks(fields, message):
