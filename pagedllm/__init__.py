@@ -1,11 +1,30 @@
-"""pagedllm: LLM inference and serving around a paged KV cache."""
+"""pagedllm: LLM inference and serving around a paged KV cache.
 
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.llm import LLM
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+The public classes load on first use (PEP 562): `import pagedllm` and every `pagedllm.x` import
+go through this file, and the command line's `--version` and `--help` must not pay for torch.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.version import __version__
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.sampling_params import SamplingParams
+
+_PUBLIC = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "CompletionOutput": "pagedllm.outputs",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "Logprob": "pagedllm.outputs",
+    "RequestOutput": "pagedllm.outputs",
+    "SamplingParams": "pagedllm.sampling_params",
+}
 __all__ = [
     "LLM",
     "CompletionOutput",
@@ -15,3 +34,11 @@ __all__ = [
     "SamplingParams",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -1,13 +1,37 @@
-"""`pagedllm` command line: one entry point, a subcommand per job."""
+"""`pagedllm` command line: one entry point, a subcommand per job.
+
+A subcommand's module is imported only when that subcommand runs: most of them load torch, and
+`pagedllm --version` or `--help` should answer at once. The other subcommands appear in the
+parser as names with their help line (COMMANDS), enough to list them and to reject a typo.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Any
 
-from pagedllm import __version__
-from pagedllm.entrypoints.cli import analyze, bench, evaluate, generate, plan, router, serve
+from pagedllm.version import __version__
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("generate", "complete one prompt, streaming the text"),
+    "chat": ("chat", "interactive chat with the model's chat template, or with a server (--url)"),
+    "serve": (
+        "serve",
+        "OpenAI-compatible HTTP server (same flags as python -m pagedllm.entrypoints.openai.api_server)",
+    ),
+    "bench": ("bench", "benchmarks (throughput, prefix caching, serving)"),
+    "plan": ("plan", "KV cache capacity (bytes per token, blocks, tokens, concurrency) from a config"),
+    "eval": ("evaluate", "quality checks (kv-quant: 8-bit KV cache vs auto)"),
+    "analyze": ("analyze", "workload analyses (prefix: where prompts stop sharing)"),
+    "router": (
+        "router",
+        "Route OpenAI requests over several replicas, each to where its prefix is likely cached",
+    ),
+}
+"""Subcommand -> (module under pagedllm.entrypoints.cli, its line in `pagedllm --help`). Each
+module's `register(subparsers)` adds the real parser; tests check the two help lines agree."""
 
 
 class StrictParser(argparse.ArgumentParser):
@@ -19,26 +43,34 @@ class StrictParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand's real flags, or, given `argv`, only those of the
+    subcommand it names (the rest as bare names)."""
+    command = None if argv is None else _command_in(argv)
     parser = StrictParser(prog="pagedllm", description="LLM inference around a paged KV cache")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    generate.register(subparsers)
-    serve.register(subparsers)
-    bench.register(subparsers)
-    plan.register(subparsers)
-    evaluate.register(subparsers)
-    analyze.register(subparsers)
-    router.register(subparsers)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_line) in COMMANDS.items():
+        if argv is None or name == command:
+            importlib.import_module(f"pagedllm.entrypoints.cli.{module}").register(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_line)
     return parser
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand in `argv`: its first word that is not an option (the top-level options
+    take no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         args.handler(args)
     except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
         sys.exit(130)
 
 
