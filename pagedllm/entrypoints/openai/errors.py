@@ -83,7 +83,14 @@ def queue_full(error: QueueFullError) -> APIError:
 
 
 def unavailable(error: EngineUnavailableError) -> APIError:
-    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(error), type="server_error", code="unavailable")
+    """503 while shutting down (or after the engine died): retry, here after a restart or elsewhere."""
+    return APIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        str(error),
+        type="server_error",
+        code="unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 def to_api_error(error: Exception) -> APIError:
