@@ -9,9 +9,12 @@ Beside the OpenAI routes: /health, /version, /metrics (Prometheus), /stats (Live
 /stats/kv_blocks (the KV block map, read on the engine thread) and /dashboard (a page that polls
 both, with its chart library under /static).
 
-Start-up: bind the port (fail fast), load the engine (it logs the KV cache report), then log the URL.
-SIGINT/SIGTERM: new requests get 503, in-flight ones get --graceful-shutdown-timeout seconds to
-finish and are then aborted, the engine thread stops, the process exits 0.
+Start-up: bind the port (fail fast), load the engine (it logs the KV cache report), then log the URL,
+routes and scheduler settings. Ctrl-C during the load exits 130 at once.
+SIGINT/SIGTERM: the port stays open and new requests get 503 with Retry-After while in-flight ones
+get --graceful-shutdown-timeout seconds to finish (then they are aborted); the port closes, the
+engine thread stops, a last line counts the drained and cut requests, and the process exits 0.
+A second SIGINT cuts the drain short.
 If the engine loop dies (an error that leaves its state unknown), /health answers 503, streams
 get an error event, and the process exits 1 with the reason logged, for a supervisor to restart it.
 """
@@ -26,11 +29,14 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -334,14 +340,20 @@ def build_app(
 
 
 class _Server(uvicorn.Server):
-    """uvicorn with our shutdown: a signal stops admission at once, and after the graceful
-    shutdown the process exits 0 (uvicorn itself re-raises the signal, exiting 130 or 143)."""
+    """uvicorn with our shutdown: a signal stops admission at once, the drain keeps the port open
+    (uvicorn's own shutdown closes it first, so late clients would get a refused connection
+    instead of a 503 to retry elsewhere), and the process exits 0 (uvicorn itself re-raises the
+    signal, exiting 130 or 143)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, url: str, settings: str) -> None:
         super().__init__(config)
         self.engine = engine
         self.url = url
+        self.settings = settings
         self.exit_code = 0
+        self.in_flight: set[asyncio.Task] = set()  # the HTTP requests running when the signal came
+        self.num_cut = 0
+        self._drain_deadline = 0.0
 
     def engine_failed(self, error: BaseException) -> None:
         """The engine loop died (called on its thread): stop serving and exit non-zero."""
@@ -356,12 +368,31 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
-            logger.info(
-                "Shutting down: new requests get 503; in-flight ones get %d s to finish",
-                self.config.timeout_graceful_shutdown or 0,
-            )
+            timeout = self.config.timeout_graceful_shutdown or 0
+            logger.info("Shutting down: new requests get 503; in-flight ones get %d s to finish", timeout)
+            # Every request admitted so far is among these; later ones get 503 and are not waited for.
+            self.in_flight = set(self.server_state.tasks)
+            self._drain_deadline = time.monotonic() + timeout
         self.engine.stop_admitting()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._drain()
+        await super().shutdown(sockets=sockets)
+
+    async def _drain(self) -> None:
+        """Wait, port open, for the requests in flight at the signal; past the deadline (or at a
+        second SIGINT) cancel the rest, which aborts their engine requests."""
+        while (
+            not self.force_exit
+            and any(not task.done() for task in self.in_flight)
+            and time.monotonic() < self._drain_deadline
+        ):
+            await asyncio.sleep(0.1)
+        cut = [task for task in self.in_flight if not task.done()]
+        for task in cut:
+            task.cancel(msg="cut: --graceful-shutdown-timeout exceeded")
+        self.num_cut = len(cut)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -378,7 +409,13 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
-            logger.info("Serving the OpenAI API on %s (POST /v1/completions, /v1/chat/completions)", self.url)
+            # Tests and scripts read the URL right after "Serving the OpenAI API on ".
+            logger.info(
+                "Serving the OpenAI API on %s (POST /v1/completions, /v1/chat/completions; "
+                "GET /v1/models, /health, /metrics, /dashboard); %s",
+                self.url,
+                self.settings,
+            )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -393,6 +430,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
             f"error: cannot listen on {host}:{port}: {error.strerror}; pick another --port"
         ) from None
     return sock
+
+
+def _exit_now(message: str, code: int) -> NoReturn:
+    """Exit while the engine thread may be inside torch. A normal exit would finalize the
+    interpreter under it: the thread is killed as it next takes the GIL, unwinding through C++
+    frames that must not throw, and the process dies in `terminate called without an active
+    exception` (SIGABRT). os._exit skips finalization; there is nothing left to save."""
+    logger.warning(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _scheduler_settings(engine: LLMEngine) -> str:
+    """What a vLLM user checks first: the scheduler's limits in effect."""
+    config = engine.config
+    prefix_caching = "on" if config.enable_prefix_caching else "off"
+    return (
+        f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
+        f"max_model_len {engine.max_model_len}, prefix caching {prefix_caching}"
+    )
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -412,6 +470,8 @@ def run_server(args: argparse.Namespace) -> None:
         engine = AsyncLLM.launch(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
     except (ValueError, FileNotFoundError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
+    except KeyboardInterrupt:
+        _exit_now("Interrupted while loading the model; exiting", 130)
     llm_engine = engine.engine
     tokenizer = AsyncTokenizer(
         load_tokenizer(llm_engine.tokenizer_folder, config.chat_template),
@@ -461,9 +521,16 @@ def run_server(args: argparse.Namespace) -> None:
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,
     )
-    server = _Server(uvicorn_config, engine, url)
+    server = _Server(uvicorn_config, engine, url, _scheduler_settings(llm_engine))
     engine.set_fatal_callback(server.engine_failed)
     server.run(sockets=[sock])
+    logger.info(
+        "Server stopped: %d requests finished during the drain, %d cut",
+        len(server.in_flight) - server.num_cut,
+        server.num_cut,
+    )
+    if engine.is_healthy:  # a second SIGINT skipped the engine's shutdown: its thread still runs
+        _exit_now("The engine thread was still running; exiting without waiting for it", 130)
     if server.exit_code:
         raise SystemExit(server.exit_code)
 
