@@ -13,7 +13,7 @@ def register(subparsers) -> None:
         "serve",
         help="OpenAI-compatible HTTP server (same flags as python -m pagedllm.entrypoints.openai.api_server)",
         description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/health, /version, /tokenize, /detokenize, /metrics.",
+        "/health, /version, /tokenize, /detokenize, /metrics, /stats and /dashboard.",
     )
     parser.add_argument(
         "model_tag",
