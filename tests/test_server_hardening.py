@@ -395,11 +395,6 @@ def test_prompt_logprobs_on_completions_whole_and_streamed(server):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs api_server.py: --metrics-caller-label default None, "
-    "caller_labels=caller_labels_on(args.metrics_caller_label, args.api_key)",
-)
 def test_open_metrics_do_not_name_callers_when_the_api_needs_a_key(server):
     body = {"prompt": LONG_PROMPT, "max_tokens": 2, "user": "caller-who-must-stay-private"}
     assert send(server.url, "/v1/completions", body).status_code == 200

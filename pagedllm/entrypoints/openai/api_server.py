@@ -69,7 +69,7 @@ from pagedllm.logger import configure_logging
 from pagedllm.metrics.block_map import block_holders, block_map
 from pagedllm.metrics.http import instrument_http
 from pagedllm.metrics.live_stats import LiveStats
-from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.metrics.prometheus import PrometheusMetrics, caller_labels_on
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import load_tokenizer
@@ -158,10 +158,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--metrics-caller-label",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="Export prefix-cache hits by caller (the request's `user`, at most "
         f"{limits.MAX_USER_CHARS} characters, 100 names) on /metrics. Turn off when `user` holds "
-        "personal data and /metrics is scraped from outside. (default: on)",
+        "personal data and /metrics is scraped from outside. (default: on without --api-key, off with it)",
     )
     group.add_argument(
         "--truncate-chat-history",
@@ -492,7 +492,7 @@ def run_server(args: argparse.Namespace) -> None:
             "enable_prefix_caching": str(llm_engine.config.enable_prefix_caching),
             "num_gpu_blocks": str(llm_engine.kv_cache_plan.num_blocks),
         },
-        caller_labels=args.metrics_caller_label,
+        caller_labels=caller_labels_on(args.metrics_caller_label, args.api_key),
     )
     live_stats = LiveStats(models.names[0], llm_engine.kv_cache_plan.num_blocks, llm_engine.config.block_size)
 
