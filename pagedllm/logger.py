@@ -32,3 +32,6 @@ def configure_console_logging(verbose: bool) -> None:
     else:
         os.environ.setdefault(LEVEL_ENV, "WARNING")
     configure_logging()
+    # A first start builds the CPU kernels for about a minute: its two lines stay, or the
+    # command would look hung.
+    logging.getLogger("pagedllm.attention.cpu_kernel").setLevel(logging.INFO)
