@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -260,7 +261,18 @@ def _tpot_p50(outcomes: list[Outcome]) -> float | None:
     return float(np.median(values)) if values else None
 
 
-def report(args: argparse.Namespace, soak: Soak, stats: dict, health: int, final_rss: int) -> dict:
+def _cached_tokens_by_source(url: str) -> dict[str, float]:
+    """Prefix-cache hit tokens by the tier that held them (device, disk), from /metrics."""
+    text = httpx.get(f"{url}/metrics").text
+    found = re.findall(
+        r'^\w+:prompt_tokens_cached_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$', text, re.M
+    )
+    return {source: float(value) for source, value in found}
+
+
+def report(
+    args: argparse.Namespace, soak: Soak, stats: dict, health: int, final_rss: int, cached: dict[str, float]
+) -> dict:
     duration = args.minutes * 60
     good = [o for o in soak.outcomes if o.kind == "good" and o.status == "ok"]
     first = _tpot_p50([o for o in good if o.start_s < duration / 10])
@@ -293,6 +305,7 @@ def report(args: argparse.Namespace, soak: Soak, stats: dict, health: int, final
             "drift": last / first - 1 if first and last else None,
         },
         "generation_tokens": stats["generation_tokens"],
+        "prompt_tokens_cached_by_source": cached,
     }
     by_kind = ", ".join(f"{k} {sum(c.values())}" for k, c in result["by_kind"].items())
     drift = result["good_tpot_p50_ms"]
@@ -305,6 +318,8 @@ def report(args: argparse.Namespace, soak: Soak, stats: dict, health: int, final
         if rss
         else "server RSS: not sampled",
         f"KV blocks leaked: {leaked} of {kv_cache['num_blocks']}; /health after: {health}",
+        "prefix-cache hit tokens by tier: "
+        + (", ".join(f"{source} {value:,.0f}" for source, value in cached.items()) or "n/a"),
         f"good requests' time per token p50: first tenth {_ms(drift['first_tenth'])}, "
         f"last tenth {_ms(drift['last_tenth'])} (drift {_pct(drift['drift'])})",
     ]
@@ -329,7 +344,8 @@ def main(args: argparse.Namespace) -> None:
         assert server.url is not None
         stats = _idle_stats(server.url)
         health = httpx.get(f"{server.url}/health").status_code
-        result = report(args, soak, stats, health, server.rss_bytes())
+        cached = _cached_tokens_by_source(server.url)
+        result = report(args, soak, stats, health, server.rss_bytes(), cached)
     finally:
         server.stop()
     print(result.pop("text"))
