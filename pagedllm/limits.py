@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 MAX_N = 128
 """Most choices per prompt (OpenAI's own limit for `n`)."""
@@ -45,6 +46,28 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024**2
 """--max-request-body-bytes: far above any prompt max_model_len allows, far below what hurts."""
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text_and_depth(body: dict) -> None:
+    """Walk a request body (iteratively: no recursion limit to hit) for lone surrogates and
+    nesting deeper than MAX_JSON_DEPTH; ValueError naming the place. The server and the router
+    both run it, so both answer alike."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            if not is_valid_text(value):
+                where = ".".join(path) or "body"
+                message = f"{where}: holds a lone surrogate (e.g. \\ud800), which is not valid Unicode"
+                raise ValueError(message)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((str(key), path))
+                stack.append((item, (*path, str(key))))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, str(index))) for index, item in enumerate(value))
 
 
 def is_valid_text(text: str) -> bool:

@@ -107,6 +107,7 @@ BAD_REQUESTS = [
         "chat_template_kwargs",
     ),
     ("/v1/completions", '{"prompt": ' + "[" * 600 + "1" + "]" * 600 + "}", 400, "nested deeper"),
+    ("/v1/completions", '{"prompt": ' + "[" * 5000 + "1" + "]" * 5000 + "}", 400, "nested deeper"),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "not valid JSON"),
     ("/v1/completions", {"prompt": "Hello", "user": "u" * 1_000_000}, 413, "max-request-body-bytes"),
     ("/v1/completions", {"prompt": "Hello", "user": "u" * 1000}, 400, "user"),

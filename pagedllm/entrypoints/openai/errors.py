@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from pagedllm import limits
 from pagedllm.engine.async_engine import (
     EngineUnavailableError,
     QueueFullError,
@@ -144,6 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
         elif error.status_code == HTTPStatus.BAD_REQUEST and error.__cause__ is not None:
             # FastAPI's "There was an error parsing the body": say what was wrong with it
             detail = f"the body is not valid JSON in UTF-8 ({type(error.__cause__).__name__})"
+            if isinstance(error.__cause__, RecursionError):  # as limits.check_text_and_depth says it
+                detail = f"body: nested deeper than {limits.MAX_JSON_DEPTH} levels"
         return error_response(http_error(error.status_code, str(detail)))
 
     async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:

@@ -27,30 +27,12 @@ class OpenAIModel(BaseModel):
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            _check_text_and_depth(data)
+            try:
+                limits.check_text_and_depth(data)
+            except ValueError as error:
+                raise _body_error(str(error)) from None
             return {k: v for k, v in data.items() if v is not None}
         return data
-
-
-def _check_text_and_depth(data: dict) -> None:
-    """Walk a body (iteratively: no recursion limit to hit) for bad strings and deep nesting."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
-    while stack:
-        value, path = stack.pop()
-        if len(path) > limits.MAX_JSON_DEPTH:
-            raise _body_error(f"body: nested deeper than {limits.MAX_JSON_DEPTH} levels")
-        if isinstance(value, str):
-            if not limits.is_valid_text(value):
-                where = ".".join(path) or "body"
-                raise _body_error(
-                    f"{where}: holds a lone surrogate (e.g. \\ud800), which is not valid Unicode"
-                )
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                stack.append((str(key), path))
-                stack.append((item, (*path, str(key))))
-        elif isinstance(value, list):
-            stack.extend((item, (*path, str(index))) for index, item in enumerate(value))
 
 
 def _body_error(message: str) -> PydanticCustomError:

@@ -28,7 +28,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagedllm import limits
 from pagedllm.entrypoints.openai.errors import install_error_handlers, invalid_request
 from pagedllm.entrypoints.openai.middleware import BodySizeLimitMiddleware
-from pagedllm.entrypoints.openai.protocol import _check_text_and_depth
 from pagedllm.entrypoints.router.metrics import merge_scrapes, render, router_families, scrape_all
 from pagedllm.entrypoints.router.policy import Replica
 from pagedllm.entrypoints.router.replicas import ReplicaSet
@@ -156,7 +155,7 @@ def _parse(body: bytes) -> object:
         return None
     if isinstance(parsed, dict):
         try:
-            _check_text_and_depth(parsed)  # the replica's own check, so both answer alike
+            limits.check_text_and_depth(parsed)  # the replica's own check, so both answer alike
         except ValueError as error:
             raise invalid_request(error) from None
     return parsed
