@@ -12,8 +12,8 @@ import time
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import load_requests
 from pagedllm.cpu_features import describe_host
+from pagedllm.workload import load_requests
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ import time
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import load_workload
 from pagedllm.cpu_features import describe_host
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.workload import load_workload
 
 OPEN_GRAMMAR = "root ::= [ -~\\n]*"
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 8}

@@ -76,7 +76,7 @@ def chat_prompt(
 
 
 def workload_prompts(tokenizer: PreTrainedTokenizerBase, workload: list[Any]) -> list[list[int]]:
-    """Token ids of a request set's prompts (pagedllm.bench.workload): a single-turn request's
+    """Token ids of a request set's prompts (pagedllm/workload.py): a single-turn request's
     text as the engine tokenizes it; a conversation's first turn through the chat template (later
     turns hold the model's answers, which a file does not have)."""
     prompts = []

@@ -21,7 +21,6 @@ from fastapi import FastAPI, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.bench.workload import Conversation, load_workload
 from pagedllm.entrypoints.cli.main import build_parser
 from pagedllm.entrypoints.cli.router import build_router
 from pagedllm.entrypoints.router.policy import CacheAware, Replica, RoundRobin
@@ -29,6 +28,7 @@ from pagedllm.entrypoints.router.prefix_index import PrefixIndex, chunk_hashes
 from pagedllm.entrypoints.router.replicas import ReplicaSet
 from pagedllm.entrypoints.router.request_text import request_text
 from pagedllm.entrypoints.router.stats import merge_histories
+from pagedllm.workload import Conversation, load_workload
 
 from .conftest import die_with_parent, server_engine_args
 from .test_server import RemoteServer

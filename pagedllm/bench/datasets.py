@@ -4,7 +4,7 @@
   spread by --random-range-ratio, after a shared prefix of --random-prefix-len tokens);
 - `sharegpt`: ShareGPT-format JSON, the first two messages of each conversation as the prompt and
   the answer whose token count is the request's max_tokens (--sharegpt-output-len overrides it);
-- `jsonl`: our workloads (pagedllm/bench/workload.py), single-turn or conversations.
+- `jsonl`: our workloads (pagedllm/workload.py), single-turn or conversations.
 
 `random` and `sharegpt` count tokens with the model's tokenizer: --tokenizer, else --model's.
 `pagedllm bench serve` and `bench sweep` both take these flags and load through `load_dataset_for`.
@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.bench.workload import BenchRequest, Conversation, load_workload
 from pagedllm.config import EngineConfig
 from pagedllm.model.loader import resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.tokenizer import load_tokenizer
+from pagedllm.workload import BenchRequest, Conversation, load_workload
 
 DATASET_NAMES = ("random", "sharegpt", "jsonl")
 DEFAULT_NUM_PROMPTS = 1000  # vLLM's, for the sampled sets; a JSONL file is used whole

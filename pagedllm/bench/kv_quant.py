@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.throughput import EngineResult, git_sha, run_engine
-from pagedllm.bench.workload import BenchRequest, load_requests
 from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.kv_quant import load_eval_set, perplexity, run_generation
@@ -32,6 +31,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.kv_cache import KVCacheSpec, resolve_cache_dtype
 from pagedllm.worker.worker import resolve_device
+from pagedllm.workload import BenchRequest, load_requests
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

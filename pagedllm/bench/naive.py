@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.bench.workload import BenchRequest
+from pagedllm.workload import BenchRequest
 
 
 @dataclass

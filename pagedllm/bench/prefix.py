@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import Conversation, load_workload
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.kv_quant import tokens_until_divergence
 from pagedllm.logger import configure_logging
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import chat_prompt
+from pagedllm.workload import Conversation, load_workload
 
 # A client is a generator: it yields (prompt, params), receives the answer text, yields the next.
 Client = Generator[tuple[dict, SamplingParams], str, None]

@@ -34,11 +34,11 @@ from pagedllm.bench.prefix import Client, make_clients, run_closed_loop
 from pagedllm.bench.serve_metrics import METRICS, SLO_METRICS, RequestRecord, ServeResult
 from pagedllm.bench.serve_report import build_report, result_path, save_plot
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import BenchRequest, Conversation
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.workload import BenchRequest, Conversation
 
 Items = list[BenchRequest] | list[Conversation]
 Done = Callable[[RequestRecord], None]

@@ -32,8 +32,8 @@ import numpy as np
 
 from pagedllm.bench.server_process import ServerProcess
 from pagedllm.bench.throughput import git_sha
-from pagedllm.bench.workload import load_requests
 from pagedllm.logger import configure_logging
+from pagedllm.workload import load_requests
 
 API_KEY = "soak"
 KINDS = ("good", "abort", "disconnect", "bad", "structured", "tools")

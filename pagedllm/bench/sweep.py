@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.datasets import add_dataset_arguments, dataset_source, load_dataset_for
-from pagedllm.bench.workload import BenchRequest, write_requests
 from pagedllm.config import EngineConfig
+from pagedllm.workload import BenchRequest, write_requests
 
 DEFAULT_GRID: dict[str, list[Any]] = {
     "max_num_seqs": [8, 16, 32, 64],

@@ -9,10 +9,10 @@ import statistics
 import time
 
 from pagedllm.bench.arrivals import arrival_times
-from pagedllm.bench.workload import load_requests
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.workload import load_requests
 
 
 def main() -> None:

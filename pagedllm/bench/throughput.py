@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.naive import NaiveHF, NaiveResult
-from pagedllm.bench.workload import BenchRequest, load_requests
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
@@ -26,6 +25,7 @@ from pagedllm.model.loader import resolve_dtype, resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import KVCacheSpec
 from pagedllm.worker.worker import resolve_device
+from pagedllm.workload import BenchRequest, load_requests
 
 
 @dataclass

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagedllm import limits
-from pagedllm.bench.workload import load_workload
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
@@ -36,6 +35,7 @@ from pagedllm.tokenizer import load_tokenizer, workload_prompts
 from pagedllm.worker.kv_cache import KVCachePlan
 from pagedllm.worker.kv_offload import DiskKVStore, fingerprint
 from pagedllm.worker.worker import Worker
+from pagedllm.workload import load_workload
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Benchmark request sets: JSONL, one request per line (sampled sets, random and ShareGPT: datasets.py).
+"""Workload files: request sets as JSONL, one request per line, read by the benchmarks, `pagedllm
+analyze prefix` and the engine's warm-up (sampled sets, random and ShareGPT: bench/datasets.py).
 
 Single-turn sets have `prompt`, `max_tokens` and `ignore_eos`; conversation sets have
 `conversation_id`, `system`, `turns` (user messages) and `max_tokens` per answer.
