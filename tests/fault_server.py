@@ -26,7 +26,7 @@ def _inject() -> None:
     forward = llama.LlamaForCausalLM.forward
 
     def faulty_sample(self, logits, reqs):
-        if any(r.sampling_params.seed == SAMPLING_FAULT_SEED for r in reqs):
+        if any(p.seed == SAMPLING_FAULT_SEED for p in reqs.params):
             raise RuntimeError("injected sampling fault")
         return sample(self, logits, reqs)
 

@@ -140,7 +140,7 @@ def test_a_request_whose_sampling_fails_ends_alone_with_an_error(llm, monkeypatc
     sample = Sampler.__call__
 
     def faulty(self, logits, reqs):
-        if any(r.sampling_params.seed == 666 for r in reqs):
+        if any(p.seed == 666 for p in reqs.params):
             raise RuntimeError("injected")
         return sample(self, logits, reqs)
 

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm import SamplingParams
 from pagedllm.sample.sampler import Sampler, apply_penalties
-from pagedllm.worker.request_table import CachedRequestState, StepRequest
+from pagedllm.worker.request_table import CachedRequestState, StepRequest, sampling_metadata
 
 
 def request(req_id="r", prompt=(1, 2), output=(), eos=frozenset({0}), **params) -> StepRequest:
@@ -25,7 +25,7 @@ def request(req_id="r", prompt=(1, 2), output=(), eos=frozenset({0}), **params) 
 
 
 def sample(logits, reqs, seed=0):
-    return Sampler(torch.device("cpu"), seed)(logits, reqs)
+    return Sampler(torch.device("cpu"), seed)(logits, sampling_metadata(reqs))
 
 
 def test_greedy_is_argmax():
@@ -92,7 +92,7 @@ def test_penalties_match_vllm_formulas():
     req = request(
         prompt=(3,), output=(0, 0, 1), repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
     )
-    out = apply_penalties(logits, [req])[0].tolist()
+    out = apply_penalties(logits, sampling_metadata([req]))[0].tolist()
     # token 0: seen, positive -> /2, then -0.5*2 (freq) -0.25 (presence)
     # token 1: seen, negative -> *2, then -0.5*1 -0.25; token 2: unseen; token 3: in prompt -> /2
     assert out == [2.0 / 2 - 1.0 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 1.0 / 2]

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.attention.cpu_kernel import argmax
 from pagedllm.core.outputs import TokenLogprobs
-from pagedllm.worker.request_table import StepRequest
+from pagedllm.sample.metadata import SamplingMetadata
 
 
 class Sampler:
@@ -27,28 +27,28 @@ class Sampler:
             self._request_generators.pop(req_id, None)
 
     def __call__(
-        self, logits: torch.Tensor, reqs: list[StepRequest]
+        self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
-        params = [r.sampling_params for r in reqs]
+        params = metadata.params
         wants_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
 
         if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, reqs)
+            logits = apply_penalties(logits, metadata)
         if any(p.logit_bias for p in params):
             logits = _apply_logit_bias(logits, params)
-        logits = _mask_until_min_tokens(logits, reqs)
+        logits = _mask_until_min_tokens(logits, metadata)
 
         greedy = all(p.is_greedy for p in params)
-        tokens = argmax(logits) if greedy else self._sample(logits, reqs)
+        tokens = argmax(logits) if greedy else self._sample(logits, metadata)
         token_list = tokens.tolist()
         if raw_logprobs is None:
-            return token_list, [None] * len(reqs)
+            return token_list, [None] * len(params)
         return token_list, gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
 
-    def _sample(self, logits: torch.Tensor, reqs: list[StepRequest]) -> torch.Tensor:
-        params = [r.sampling_params for r in reqs]
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        params = metadata.params
         is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
         temperature = torch.tensor(
             [p.temperature if not p.is_greedy else 1.0 for p in params],
@@ -65,37 +65,38 @@ class Sampler:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
                 generator=self.generator
             )
-        for i, r in enumerate(reqs):
-            if r.sampling_params.seed is not None:
-                noise[i].exponential_(generator=self._generator_for(r))
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                noise[i].exponential_(generator=self._generator_for(metadata.req_ids[i], p.seed))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(is_greedy, argmax(logits), sampled)
 
-    def _generator_for(self, req: StepRequest) -> torch.Generator:
-        generator = self._request_generators.get(req.req_id)
+    def _generator_for(self, req_id: str, seed: int) -> torch.Generator:
+        generator = self._request_generators.get(req_id)
         if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(req.sampling_params.seed)
-            self._request_generators[req.req_id] = generator
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._request_generators[req_id] = generator
         return generator
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[StepRequest]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """vLLM's semantics: repetition divides positive / multiplies negative logits of tokens
     seen in prompt or output; frequency subtracts per output occurrence; presence once."""
     num_reqs, vocab = logits.shape
     device = logits.device
     output_counts = torch.zeros(num_reqs, vocab, device=device)
     seen = torch.zeros(num_reqs, vocab, dtype=torch.bool, device=device)
-    for i, r in enumerate(reqs):
-        if not r.sampling_params.has_penalties:
+    params = metadata.params
+    for i, p in enumerate(params):
+        if not p.has_penalties:
             continue
-        out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+        out_ids = torch.tensor(metadata.output_token_ids[i], dtype=torch.long, device=device)
         output_counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=device))
-        seen[i, torch.tensor(r.prompt_token_ids, dtype=torch.long, device=device)] = True
+        seen[i, torch.tensor(metadata.prompt_token_ids[i], dtype=torch.long, device=device)] = True
     seen |= output_counts > 0
-    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)[:, None]
-    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], device=device)[:, None]
-    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)[:, None]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
@@ -113,14 +114,13 @@ def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits
 
 
-def _mask_until_min_tokens(logits: torch.Tensor, reqs: list[StepRequest]) -> torch.Tensor:
+def _mask_until_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     rows, cols = [], []
-    for i, r in enumerate(reqs):
-        params = r.sampling_params
-        if len(r.output_token_ids) < params.min_tokens:
+    for i, (params, output_ids) in enumerate(zip(metadata.params, metadata.output_token_ids, strict=True)):
+        if len(output_ids) < params.min_tokens:
             banned = set(params.stop_token_ids or ())
             if not params.ignore_eos:
-                banned |= r.eos_token_ids
+                banned |= metadata.eos_token_ids[i]
             rows += [i] * len(banned)
             cols += sorted(banned)
     if rows:

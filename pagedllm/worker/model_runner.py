@@ -24,7 +24,7 @@ from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.structured_output.bitmask import apply_bitmask
 from pagedllm.worker.input_builder import ModelInput, build_model_input
-from pagedllm.worker.request_table import RequestTable, StepRequest
+from pagedllm.worker.request_table import RequestTable, StepRequest, sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +107,13 @@ class ModelRunner:
         """Sample the batch at once; if that raises, each request alone, so only the ones at
         fault fail. logits: [len(reqs), vocab]."""
         try:
-            tokens, logprobs = self.sampler(logits, reqs)
+            tokens, logprobs = self.sampler(logits, sampling_metadata(reqs))
         except Exception:
             logger.warning("Batched sampling failed; sampling the %d requests one by one", len(reqs))
             for row, req in enumerate(reqs):
                 with _failing_alone(output, req.req_id):
-                    self._record(output, *self.sampler(logits[row : row + 1], [req]), [req])
+                    alone = sampling_metadata([req])
+                    self._record(output, *self.sampler(logits[row : row + 1], alone), [req])
             return
         self._record(output, tokens, logprobs, reqs)
 

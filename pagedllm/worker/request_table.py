@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.outputs import NewRequestData, SchedulerOutput
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -36,7 +37,8 @@ class CachedRequestState:
 
 @dataclass(frozen=True)
 class StepRequest:
-    """A held request's share of one step, as the input builder and the sampler read it."""
+    """A held request's share of one step, as the input builder reads it (the sampler reads
+    sampling_metadata() of a batch of them)."""
 
     state: CachedRequestState
     num_scheduled_tokens: int
@@ -75,13 +77,17 @@ class StepRequest:
     def prompt_token_ids(self) -> list[int]:
         return self.state.prompt_token_ids
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.state.output_token_ids
 
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.state.eos_token_ids
+def sampling_metadata(batch: list[StepRequest]) -> SamplingMetadata:
+    """What the sampler reads of these requests, in batch order; the token lists are shared."""
+    states = [step.state for step in batch]
+    return SamplingMetadata(
+        req_ids=[s.req_id for s in states],
+        params=[s.sampling_params for s in states],
+        prompt_token_ids=[s.prompt_token_ids for s in states],
+        output_token_ids=[s.output_token_ids for s in states],
+        eos_token_ids=[s.eos_token_ids for s in states],
+    )
 
 
 class RequestTable:
