@@ -3,9 +3,7 @@ and what keeps test servers from outliving the test process."""
 
 from __future__ import annotations
 
-import ctypes
 import signal
-import sys
 from dataclasses import dataclass
 from types import FrameType
 
@@ -15,38 +13,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.model.loader import default_model_path
 
-# Small enough to keep the suite fast, large enough for every test prompt.
-TEST_ENGINE_ARGS = {
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "kv_cache_memory_bytes": "256MiB",
-    "disable_log_stats": True,
-}
-
-
-def server_engine_args() -> list[str]:
-    """TEST_ENGINE_ARGS as `pagedllm serve` flags."""
-    return [
-        "--dtype",
-        TEST_ENGINE_ARGS["dtype"],
-        "--max-model-len",
-        str(TEST_ENGINE_ARGS["max_model_len"]),
-        "--kv-cache-memory-bytes",
-        TEST_ENGINE_ARGS["kv_cache_memory_bytes"],
-        "--disable-log-stats",
-    ]
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
-
-
-def die_with_parent() -> None:
-    """A test subprocess's `preexec_fn`: on Linux the kernel sends it SIGTERM when the thread that
-    started it ends, so a test process killed outright (SIGKILL, no finalizer runs) leaves no server
-    behind. That thread, not the process: start long-lived servers from the main thread."""
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+from .helpers import TEST_ENGINE_ARGS
 
 
 def _interrupt(signum: int, _: FrameType | None) -> None:
@@ -102,17 +69,3 @@ def reference() -> Reference:
 def llm() -> LLM:
     """A float32 engine shared by tests that do not need special settings."""
     return LLM(**TEST_ENGINE_ARGS)
-
-
-def assert_greedy_equal(
-    ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str
-) -> None:
-    """Token-exact, except that a divergence is accepted where the reference's top-2 logit gap
-    at that step is below 1e-3 (a near tie that float rounding may flip); comparison stops there."""
-    for step, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)):
-        if a != b:
-            top2 = ref_logits[step].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < 1e-3, f"{label}: step {step}: ours {a} != reference {b} with top-2 gap {gap:.2e}"
-            return
-    assert len(ours) == len(ref_tokens), f"{label}: ours {len(ours)} tokens, reference {len(ref_tokens)}"

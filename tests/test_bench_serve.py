@@ -20,7 +20,7 @@ from pagedllm.entrypoints.cli.main import main as cli
 from pagedllm.model.loader import resolve_model_folder
 from pagedllm.tokenizer import load_tokenizer
 
-from .test_server import RemoteServer, server_engine_args
+from .helpers import RemoteServer, server_engine_args
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 

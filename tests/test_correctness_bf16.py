@@ -22,8 +22,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from .conftest import TEST_ENGINE_ARGS, Reference
-from .test_correctness_hf import labelled_prompts
+from .conftest import Reference
+from .helpers import TEST_ENGINE_ARGS, labelled_prompts
 
 NEW_TOKENS = 48
 

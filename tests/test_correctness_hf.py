@@ -7,41 +7,12 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
-from .conftest import TEST_ENGINE_ARGS, assert_greedy_equal
+from .helpers import CHATS, RAW_PROMPTS, TEST_ENGINE_ARGS, assert_greedy_equal, labelled_prompts
 
 NEW_TOKENS = 64
-LONG_TEXT = (
-    "The paged KV cache stores keys and values in fixed-size blocks. Each request owns a block table "
-    "that maps its logical blocks to physical ones, so memory is taken on demand and returned the "
-    "moment a request ends. "
-) * 4
-RAW_PROMPTS = [
-    "The capital of France is",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Once upon a time, in a small village by the sea,",
-    LONG_TEXT + "In one sentence, the main idea is that",
-]
-CHATS = [
-    [{"role": "user", "content": "What is the boiling point of water at sea level?"}],
-    [
-        {"role": "system", "content": "You answer in one short paragraph."},
-        {"role": "user", "content": "Why is the sky blue?"},
-    ],
-    [{"role": "user", "content": "Give me three names for a pet turtle."}],
-    [{"role": "user", "content": "Summarize this:\n" + LONG_TEXT}],
-]
 FILLERS = [
     ("filler " * n + str(n)).strip() for n in (1, 3, 7, 12, 20, 33, 45, 60, 2, 5, 9, 14, 26, 38, 51, 70)
 ]
-
-
-def labelled_prompts(tokenizer) -> list[tuple[str, list[int]]]:
-    """The 4 raw prompts and 4 chats as token ids, tokenized by transformers itself."""
-    prompts = [(f"raw{i}", tokenizer(p).input_ids) for i, p in enumerate(RAW_PROMPTS)]
-    for i, chat in enumerate(CHATS):
-        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        prompts.append((f"chat{i}", tokenizer(text, add_special_tokens=False).input_ids))
-    return prompts
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .conftest import server_engine_args
-from .test_server import RemoteServer
+from .helpers import RemoteServer, server_engine_args
 
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="Playwright is not installed: pip install -c constraints.txt -e '.[dev]'"

@@ -13,7 +13,7 @@ from pagedllm.core.block_hash import get_hash_function, hash_block_tokens
 from pagedllm.entrypoints.cli.main import main
 from pagedllm.metrics.divergence import DivergenceFinder, divergence
 
-from .conftest import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS
 
 BLOCK = 16
 RULES = "Answer briefly. Cite your sources. Never invent facts. Be polite to the user. " * 6

@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
-from .conftest import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS
 
 PROMPTS = [("word " * n).strip() + f" number {n}:" for n in (3, 9, 17, 25, 33, 41, 50, 58, 66, 74, 5, 12)]
 MAX_TOKENS = 40

@@ -12,8 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import server_engine_args
-from .test_server import RemoteServer
+from .helpers import RemoteServer, server_engine_args
 
 DASHBOARD = Path(__file__).parents[1] / "examples" / "grafana" / "pagedllm-dashboard.json"
 MODEL = "SmolLM2-135M-Instruct"

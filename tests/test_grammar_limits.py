@@ -16,8 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from .test_server import MODEL, RemoteServer, server_engine_args
-from .test_server_structured import ASK, PERSON, WEATHER, nested_schema_text
+from .helpers import ASK, MODEL, PERSON, WEATHER, RemoteServer, nested_schema_text, server_engine_args
 
 COMPILE_TIMEOUT_S = 3.0
 RUNAWAY = nested_schema_text(450)  # ~8 s to compile on a quiet core, 25-45 s on a busy server

@@ -23,7 +23,7 @@ from pagedllm.model.loader import (
 )
 from pagedllm.planner import read_model_config
 
-from .conftest import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS
 
 REPO = "pagedllm-test/SmolLM2-hub"
 MAIN, V1 = "a" * 40, "b" * 40  # commits: main, and the tag v1

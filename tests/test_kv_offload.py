@@ -36,8 +36,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request
 from pagedllm.worker.kv_offload import DiskKVStore
 
-from .conftest import TEST_ENGINE_ARGS, server_engine_args
-from .test_server import RemoteServer
+from .helpers import TEST_ENGINE_ARGS, RemoteServer, server_engine_args
 
 DOC = "A shared reference document about paged attention and block tables, line {}. "
 PROMPT = "".join(DOC.format(i) for i in range(20)) + "Question: what is a block table?"

@@ -18,7 +18,7 @@ from pagedllm.attention.paged_attention import paged_attention, read_blocks, wri
 from pagedllm.eval.kv_quant import load_eval_set, tokens_until_divergence
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_cache_dtype
 
-from .conftest import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS
 
 FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}

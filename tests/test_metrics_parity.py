@@ -14,8 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import TEST_ENGINE_ARGS, server_engine_args
-from .test_server import MODEL, RemoteServer
+from .helpers import MODEL, TEST_ENGINE_ARGS, RemoteServer, server_engine_args
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_cpu_metrics.txt"
 

@@ -16,7 +16,7 @@ from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
 from pagedllm.worker.kv_cache import KVCacheSpec, plan_kv_cache
 
-from .conftest import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS
 
 
 def test_gguf_conversion_equals_transformers_gguf_weights(reference):

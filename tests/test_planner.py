@@ -16,7 +16,7 @@ from pagedllm.model.gguf_convert import converted_folder, gguf_hf_config
 from pagedllm.model.loader import default_model_path
 from pagedllm.planner import MemoryBudget, plan_capacity, read_model_config
 
-from .conftest import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS
 
 LLAMA_7B_SHAPE = {
     "layers": 32,

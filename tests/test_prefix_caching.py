@@ -13,8 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 
-from .conftest import TEST_ENGINE_ARGS
-from .test_scheduler import fake_run, make_scheduler, step
+from .helpers import TEST_ENGINE_ARGS, fake_run, make_scheduler, step
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -30,9 +30,7 @@ from pagedllm.entrypoints.router.request_text import request_text
 from pagedllm.entrypoints.router.stats import merge_histories
 from pagedllm.workload import Conversation, load_workload
 
-from .conftest import die_with_parent, server_engine_args
-from .test_server import RemoteServer
-from .test_server_hardening import assert_openai_error
+from .helpers import RemoteServer, assert_openai_error, die_with_parent, server_engine_args
 
 API_KEY = "router-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -6,51 +6,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedllm.core.scheduler import Scheduler
-from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.request import RequestStatus
 from pagedllm.worker.request_table import RequestTable
 
-EOS = 0
-
-
-def make_scheduler(
-    num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False, max_model_len=None, policy="fcfs"
-):
-    max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
-    config = EngineConfig(
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=caching,
-        scheduling_policy=policy,
-    )
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
-
-
-def make_request(
-    req_id: str, num_prompt: int, max_tokens: int = 8, first_token: int = 1, **params
-) -> Request:
-    prompt = [first_token + (i % 7) for i in range(num_prompt)]
-    return Request(
-        req_id=req_id,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
-        eos_token_ids=frozenset({EOS}),
-        max_tokens=max_tokens,
-    )
-
-
-def fake_run(output: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
-    return ModelRunnerOutput({s.req_id: token for s in output.scheduled if s.do_sample})
-
-
-def step(scheduler: Scheduler, token: int = 5):
-    output = scheduler.schedule()
-    return output, scheduler.update_from_output(output, fake_run(output, token))
+from .helpers import EOS, fake_run, make_request, make_scheduler, step
 
 
 def test_waiting_requests_are_admitted_in_arrival_order_up_to_the_seats():

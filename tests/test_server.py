@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,9 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import SamplingParams
 
-from .conftest import TEST_ENGINE_ARGS, die_with_parent, server_engine_args
+from .helpers import API_KEY, MODEL, TEST_ENGINE_ARGS, RemoteServer, server_engine_args
 
-API_KEY = "test-key"
 MAX_NUM_SEQS = 8
 MAX_QUEUE_LEN = 40
 SERVER_ARGS = [
@@ -33,7 +29,6 @@ SERVER_ARGS = [
     "--api-key",
     API_KEY,
 ]
-MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
     "The capital of France is",
     "List three colours:",
@@ -42,52 +37,6 @@ PROMPTS = [
     "The three laws of thermodynamics are",
     "Water boils at",
 ]
-
-
-class RemoteServer:
-    """`python -m pagedllm.entrypoints.openai.api_server ARGS --port 0` in a subprocess; the
-    URL is read from its log line, so no port is guessed."""
-
-    def __init__(
-        self,
-        args: list[str],
-        timeout: float = 240.0,
-        env: dict[str, str] | None = None,
-        module: str = "pagedllm.entrypoints.openai.api_server",
-    ) -> None:
-        command = [sys.executable, "-m", module, *args]
-        if "--port" not in args:
-            command += ["--port", "0"]
-        self.proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **(env or {})},
-            # the kernel's parent-death signal follows the starting thread: only the main thread's
-            preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
-        )
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_log, daemon=True).start()
-        if not self._ready.wait(timeout) or self.url is None:
-            self.proc.kill()
-            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
-
-    def _read_log(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if "Serving the OpenAI API on " in line:
-                self.url = line.split("Serving the OpenAI API on ")[1].split()[0]
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def stop(self, sig: int = 15, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,7 @@ from pagedllm.entrypoints.cli.main import COMMANDS, build_parser, main
 from pagedllm.entrypoints.openai import api_server
 from pagedllm.model.loader import default_model_path
 
-from .conftest import die_with_parent, server_engine_args
-from .test_server import RemoteServer
+from .helpers import RemoteServer, die_with_parent, server_engine_args
 
 ROOT = Path(__file__).parent.parent
 

@@ -7,8 +7,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from .conftest import TEST_ENGINE_ARGS
-from .test_server import RemoteServer
+from .helpers import TEST_ENGINE_ARGS, RemoteServer
 
 API_KEY = "fuzz-key"
 # Short contexts and a short queue keep generated requests cheap: most are refused at once, the

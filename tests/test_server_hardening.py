@@ -20,9 +20,8 @@ import pytest
 from pagedllm.entrypoints.openai import chat_history
 from pagedllm.entrypoints.openai.protocol import ChatMessage
 
-from .conftest import TEST_ENGINE_ARGS, server_engine_args
 from .fault_server import DETOKENIZE_FAULT_SEED, FORWARD_FAULT_TOKEN, SAMPLING_FAULT_SEED
-from .test_server import RemoteServer
+from .helpers import TEST_ENGINE_ARGS, RemoteServer, assert_openai_error, server_engine_args
 
 API_KEY = "hardening-key"
 MAX_QUEUE_LEN = 40
@@ -175,13 +174,6 @@ def send(url: str, path: str, body: object, headers: dict[str, str] | None = Non
     content = body if isinstance(body, str | bytes) else json.dumps(body)
     headers = {"Content-Type": "application/json", **AUTH, **(headers or {})}
     return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=120)
-
-
-def assert_openai_error(response: httpx.Response, status: int, names: str) -> None:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["param"] == names or names in body["error"]["message"], body
 
 
 class Stream:

@@ -14,33 +14,17 @@ import pytest
 
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser
 
-from .test_server import API_KEY, MODEL, RemoteServer, server_engine_args
+from .helpers import (
+    API_KEY,
+    ASK,
+    MODEL,
+    PERSON,
+    WEATHER,
+    RemoteServer,
+    nested_schema_text,
+    server_engine_args,
+)
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": ["Alice", "Bob", "Carol"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 TIME = {
     "type": "function",
     "function": {
@@ -54,7 +38,6 @@ TIME = {
         },
     },
 }
-ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +105,6 @@ def test_bad_structured_requests_are_400s(client, extra):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=extra)
     assert chat(client, max_tokens=2).choices[0].message.content is not None
-
-
-def nested_schema_text(depth: int) -> str:
-    """`depth` objects, each the only property of the one above (450: the 15 KB schema of issue
-    21, which compiled for 25-45 s)."""
-    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm import SamplingParams
 
-from .test_server import MODEL, RemoteServer
+from .helpers import MODEL, RemoteServer
 
 MAX_MODEL_LEN = 512
 TURN = "Tell me more about the history of paged memory in operating systems and databases. " * 3

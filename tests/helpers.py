@@ -1,0 +1,236 @@
+"""What several test files share: engine settings, a server in a subprocess, the OpenAI error
+shape, a scheduler driven by a fake model, and the prompts and schemas the reference and structured
+output tests use. Fixtures and session hooks live in conftest.py; test modules import from here,
+never from one another."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"  # the served name of the default model
+API_KEY = "test-key"
+
+# Small enough to keep the suite fast, large enough for every test prompt.
+TEST_ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": 1024,
+    "kv_cache_memory_bytes": "256MiB",
+    "disable_log_stats": True,
+}
+
+
+def server_engine_args() -> list[str]:
+    """TEST_ENGINE_ARGS as `pagedllm serve` flags."""
+    return [
+        "--dtype",
+        TEST_ENGINE_ARGS["dtype"],
+        "--max-model-len",
+        str(TEST_ENGINE_ARGS["max_model_len"]),
+        "--kv-cache-memory-bytes",
+        TEST_ENGINE_ARGS["kv_cache_memory_bytes"],
+        "--disable-log-stats",
+    ]
+
+
+def assert_greedy_equal(
+    ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str
+) -> None:
+    """Token-exact, except that a divergence is accepted where the reference's top-2 logit gap
+    at that step is below 1e-3 (a near tie that float rounding may flip); comparison stops there."""
+    for step, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)):
+        if a != b:
+            top2 = ref_logits[step].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 1e-3, f"{label}: step {step}: ours {a} != reference {b} with top-2 gap {gap:.2e}"
+            return
+    assert len(ours) == len(ref_tokens), f"{label}: ours {len(ours)} tokens, reference {len(ref_tokens)}"
+
+
+# ---- servers in a subprocess ---------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+
+
+def die_with_parent() -> None:
+    """A test subprocess's `preexec_fn`: on Linux the kernel sends it SIGTERM when the thread that
+    started it ends, so a test process killed outright (SIGKILL, no finalizer runs) leaves no server
+    behind. That thread, not the process: start long-lived servers from the main thread."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class RemoteServer:
+    """`python -m pagedllm.entrypoints.openai.api_server ARGS --port 0` in a subprocess; the
+    URL is read from its log line, so no port is guessed."""
+
+    def __init__(
+        self,
+        args: list[str],
+        timeout: float = 240.0,
+        env: dict[str, str] | None = None,
+        module: str = "pagedllm.entrypoints.openai.api_server",
+    ) -> None:
+        command = [sys.executable, "-m", module, *args]
+        if "--port" not in args:
+            command += ["--port", "0"]
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            # the kernel's parent-death signal follows the starting thread: only the main thread's
+            preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
+        )
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read_log, daemon=True).start()
+        if not self._ready.wait(timeout) or self.url is None:
+            self.proc.kill()
+            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
+
+    def _read_log(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "Serving the OpenAI API on " in line:
+                self.url = line.split("Serving the OpenAI API on ")[1].split()[0]
+                self._ready.set()
+        self._ready.set()  # exited
+
+    def stop(self, sig: int = 15, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def assert_openai_error(response: httpx.Response, status: int, names: str) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["param"] == names or names in body["error"]["message"], body
+
+
+# ---- a scheduler driven by a fake model ----------------------------------------------------------
+
+EOS = 0
+
+
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False, max_model_len=None, policy="fcfs"
+):
+    max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
+    config = EngineConfig(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        scheduling_policy=policy,
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
+
+
+def make_request(
+    req_id: str, num_prompt: int, max_tokens: int = 8, first_token: int = 1, **params
+) -> Request:
+    prompt = [first_token + (i % 7) for i in range(num_prompt)]
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_ids=frozenset({EOS}),
+        max_tokens=max_tokens,
+    )
+
+
+def fake_run(output: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
+    return ModelRunnerOutput({s.req_id: token for s in output.scheduled if s.do_sample})
+
+
+def step(scheduler: Scheduler, token: int = 5):
+    output = scheduler.schedule()
+    return output, scheduler.update_from_output(output, fake_run(output, token))
+
+
+# ---- prompts and schemas -------------------------------------------------------------------------
+
+LONG_TEXT = (
+    "The paged KV cache stores keys and values in fixed-size blocks. Each request owns a block table "
+    "that maps its logical blocks to physical ones, so memory is taken on demand and returned the "
+    "moment a request ends. "
+) * 4
+RAW_PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Once upon a time, in a small village by the sea,",
+    LONG_TEXT + "In one sentence, the main idea is that",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the boiling point of water at sea level?"}],
+    [
+        {"role": "system", "content": "You answer in one short paragraph."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+    [{"role": "user", "content": "Give me three names for a pet turtle."}],
+    [{"role": "user", "content": "Summarize this:\n" + LONG_TEXT}],
+]
+
+
+def labelled_prompts(tokenizer) -> list[tuple[str, list[int]]]:
+    """The 4 raw prompts and 4 chats as token ids, tokenized by transformers itself."""
+    prompts = [(f"raw{i}", tokenizer(p).input_ids) for i, p in enumerate(RAW_PROMPTS)]
+    for i, chat in enumerate(CHATS):
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompts.append((f"chat{i}", tokenizer(text, add_special_tokens=False).input_ids))
+    return prompts
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["Alice", "Bob", "Carol"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def nested_schema_text(depth: int) -> str:
+    """`depth` objects, each the only property of the one above (450: the 15 KB schema of issue
+    21, which compiled for 25-45 s)."""
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
