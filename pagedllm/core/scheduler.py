@@ -319,7 +319,7 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+            if params.stop_token_ids and token_id in params.stop_token_ids:  # a list after __post_init__
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and request.grammar.is_terminated:

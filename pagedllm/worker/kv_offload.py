@@ -35,7 +35,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -95,7 +95,7 @@ class DiskKVStore:
         directory: str | Path,
         max_bytes: int,
         fingerprint_hex: str,
-        kv_caches: list[tuple[torch.Tensor, ...]],
+        kv_caches: Sequence[tuple[torch.Tensor, ...]],
         max_staged_blocks: int,
     ) -> None:
         self.fingerprint = fingerprint_hex
@@ -334,12 +334,14 @@ class DiskKVStore:
         size = self._file_nbytes(block_hash)
         try:
             if reason := _mismatch(os.lstat(path), size):
-                return self._refuse(block_hash, reason)
+                self._refuse(block_hash, reason)
+                return None
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 # the file opened, not the one lstat saw: it may have been swapped since
                 if reason := _mismatch(os.fstat(fd), size):
-                    return self._refuse(block_hash, reason)
+                    self._refuse(block_hash, reason)
+                    return None
                 raw = _read_exactly(fd, size)
                 if raw is not None and not self.read_only:
                     self._touch(fd, path)
@@ -353,7 +355,8 @@ class DiskKVStore:
             return None
         payload = self._check(raw, block_hash) if raw is not None else None
         if payload is None:
-            return self._refuse(block_hash, "fingerprint, size or checksum")
+            self._refuse(block_hash, "fingerprint, size or checksum")
+            return None
         with self._cond:
             if block_hash in self._files:
                 self._files.move_to_end(block_hash)
