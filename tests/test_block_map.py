@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from pagedllm.analysis.block_map import block_holders, block_map
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.metrics.block_map import block_holders, block_map
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,8 +27,12 @@ def test_states_follow_hits_and_frees():
         "states": "ssuu..",
         "counts": {"free": 2, "cached": 0, "used": 2, "shared": 2},
     }
-    engine = SimpleNamespace(kv_cache_manager=manager, scheduler=SimpleNamespace(requests={"a": a, "b": b}))
-    assert block_holders(engine, 1) == {
+    users = {"a": "alice", "b": "bob"}
+
+    def tables():
+        return [(req_id, users[req_id], ids) for req_id, ids in manager.block_tables().items()]
+
+    assert block_holders(pool, tables(), 1) == {
         "block_id": 1,
         "state": "shared",
         "ref_cnt": 2,
@@ -44,6 +46,6 @@ def test_states_follow_hits_and_frees():
     assert block_map(pool)["states"] == "uu.u.."  # a's partial last block held no cached prefix
     manager.free(b)
     assert block_map(pool)["states"] == "cc...."  # nobody holds them, a later prompt can still hit
-    assert block_holders(engine, 0)["requests"] == []
+    assert block_holders(pool, tables(), 0)["requests"] == []
     with pytest.raises(IndexError, match="blocks 0-5"):
-        block_holders(engine, 6)
+        block_holders(pool, tables(), 6)

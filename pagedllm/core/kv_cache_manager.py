@@ -165,6 +165,10 @@ class KVCacheManager:
         only ever appended, so the runner can be sent the new ones alone)."""
         return [block.block_id for block in self.req_to_blocks.get(req_id, [])[first:]]
 
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block ids, in block-table order (a copy, for the dashboard's map)."""
+        return {req_id: [block.block_id for block in blocks] for req_id, blocks in self.req_to_blocks.items()}
+
     def hash_prompt(self, request: Request) -> None:
         """Hash the full blocks of a new request's prompt (a no-op without prefix caching)."""
         if self.enable_caching:

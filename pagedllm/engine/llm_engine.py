@@ -311,6 +311,15 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def block_tables(self) -> list[tuple[str, str | None, list[int]]]:
+        """Every request that holds KV blocks: its id, its caller and its block ids in block-table
+        order. Engine thread only (the dashboard's block map reads it between two steps)."""
+        requests = self.scheduler.requests
+        return [
+            (req_id, requests[req_id].user if req_id in requests else None, block_ids)
+            for req_id, block_ids in self.kv_cache_manager.block_tables().items()
+        ]
+
     def reset_prefix_cache(self) -> int:
         return self.kv_cache_manager.reset_prefix_cache()
 

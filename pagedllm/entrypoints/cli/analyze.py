@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from pagedllm.metrics.prefix_report import analyze_prompts, format_report
+from pagedllm.analysis.prefix_report import analyze_prompts, format_report
 from pagedllm.model.loader import resolve_model_folder
 from pagedllm.tokenizer import load_tokenizer, workload_turns
 from pagedllm.workload import Conversation, load_workload

@@ -45,6 +45,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__, limits
+from pagedllm.analysis.block_map import block_holders, block_map
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.async_engine import AsyncLLM, QueueFullError
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
@@ -66,7 +67,6 @@ from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from pagedllm.logger import configure_logging
-from pagedllm.metrics.block_map import block_holders, block_map
 from pagedllm.metrics.http import instrument_http
 from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics, caller_labels_on
@@ -323,7 +323,9 @@ def build_app(
     @app.get("/stats/kv_blocks/{block_id}")
     async def kv_block(block_id: int) -> dict:
         try:
-            return await engine.call(lambda llm: block_holders(llm, block_id))
+            return await engine.call(
+                lambda llm: block_holders(llm.kv_cache_manager.block_pool, llm.block_tables(), block_id)
+            )
         except IndexError as error:
             raise APIError(HTTPStatus.NOT_FOUND, str(error)) from None
 

@@ -1,18 +1,14 @@
 """The KV block map of /dashboard: every block's state, and who holds one block.
 
-Both read the block pool and the requests' block tables, which only the engine thread may touch:
-the server runs them there through AsyncLLM.call, between two steps, so a map is never half of
-one step and half of the next. One character per block keeps a map of 100,000 blocks at 100 kB.
+Both read the block pool and the requests' block tables (LLMEngine.block_tables), which only the
+engine thread may touch: the server runs them there through AsyncLLM.call, between two steps, so
+a map is never half of one step and half of the next. One character per block keeps a map of
+100,000 blocks at 100 kB.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-
-if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import LLMEngine
 
 FREE = "."
 """No request holds it and it holds no cached prefix."""
@@ -44,27 +40,21 @@ def block_map(pool: BlockPool) -> dict:
     }
 
 
-def block_holders(engine: LLMEngine, block_id: int) -> dict:
+def block_holders(
+    pool: BlockPool, block_tables: list[tuple[str, str | None, list[int]]], block_id: int
+) -> dict:
     """One block and the requests that hold it: each with its caller and the block's index in
     its block table (tokens index * block_size onward), plus all its block ids, so the page can
-    outline them. Raises IndexError for a block id out of range."""
-    pool = engine.kv_cache_manager.block_pool
+    outline them. block_tables: (req_id, caller, block ids) per request, as
+    LLMEngine.block_tables gives them. Raises IndexError for a block id out of range."""
     if not 0 <= block_id < pool.num_blocks:
         raise IndexError(f"block {block_id} does not exist: the pool has blocks 0-{pool.num_blocks - 1}")
     block = pool.blocks[block_id]
-    holders = []
-    for req_id, blocks in engine.kv_cache_manager.req_to_blocks.items():
-        if block not in blocks:  # identity: KVCacheBlock has no __eq__
-            continue
-        request = engine.scheduler.requests.get(req_id)
-        holders.append(
-            {
-                "req_id": req_id,
-                "user": None if request is None else request.user,
-                "index": blocks.index(block),
-                "block_ids": [b.block_id for b in blocks],
-            }
-        )
+    holders = [
+        {"req_id": req_id, "user": user, "index": block_ids.index(block_id), "block_ids": block_ids}
+        for req_id, user, block_ids in block_tables
+        if block_id in block_ids
+    ]
     return {
         "block_id": block_id,
         "state": STATE_NAMES[block_state(block)],
