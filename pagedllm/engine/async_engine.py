@@ -334,7 +334,8 @@ class AsyncLLM:
         grammar: xgrammar.CompiledGrammar | None,
     ) -> None:
         if grammar is not None:  # cached again here, so add_request finds it whatever came since
-            engine.structured_output.put(params.structured_outputs, grammar)
+            # a grammar is compiled only from params.structured_outputs
+            engine.structured_output.put(params.structured_outputs, grammar)  # type: ignore[arg-type]
         if self.max_queue_len is not None:
             waiting = engine.get_stats().num_waiting_reqs
             if waiting + len(req_ids) > self.max_queue_len:

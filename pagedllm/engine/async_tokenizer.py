@@ -14,7 +14,7 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -57,7 +57,7 @@ class AsyncTokenizer:
         return await self._run(build)
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._run(lambda: self.tokenizer.decode(token_ids))
+        return await self._run(lambda: cast(str, self.tokenizer.decode(token_ids)))  # flat ids: one str
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

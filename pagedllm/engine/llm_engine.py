@@ -87,7 +87,9 @@ class LLMEngine:
         )
         self.divergence = (
             DivergenceFinder(
-                self.config.block_size, self.tokenizer.decode, max_tokens=self.config.divergence_finder_tokens
+                self.config.block_size,
+                self.tokenizer.decode,  # type: ignore[arg-type]  # a flat id list decodes to one str
+                max_tokens=self.config.divergence_finder_tokens,
             )
             if self.config.enable_prefix_caching and self.config.divergence_finder_tokens
             else None
@@ -394,6 +396,7 @@ class LLMEngine:
             ),
         )
         assert self.config.kv_offload_dir is not None
+        assert self.worker.runner is not None, "the KV cache is allocated before the disk tier opens"
         store = DiskKVStore(
             self.config.kv_offload_dir,
             int(self.config.kv_offload_max_bytes),
