@@ -4,11 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.request import RequestMetrics
-
 INVALID_REQUEST = "invalid request: "
 """Opens RequestOutput.error when the request's own content made it fail (a grammar this
 vocabulary cannot finish): the server answers 400 for it, not 500."""
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps on the monotonic clock, as vLLM defines its intervals:
+    queue = queued -> first_scheduled, prefill = first_scheduled -> first_token,
+    decode = first_token -> last_token."""
+
+    arrival_time: float
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return _span(self.queued_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.last_token_time)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return _span(self.arrival_time, self.first_token_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return _span(self.arrival_time, self.finished_time)
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 @dataclass

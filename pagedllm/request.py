@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,44 +47,6 @@ class RequestStatus(enum.Enum):
     def finish_reason(self) -> str | None:
         """OpenAI's words: stop | length, and vLLM's abort | error; None while unfinished."""
         return self.value if self.is_finished else None
-
-
-@dataclass
-class RequestMetrics:
-    """Timestamps on the monotonic clock, as vLLM defines its intervals:
-    queue = queued -> first_scheduled, prefill = first_scheduled -> first_token,
-    decode = first_token -> last_token."""
-
-    arrival_time: float
-    queued_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-
-    @property
-    def queue_time(self) -> float | None:
-        return _span(self.queued_time, self.first_scheduled_time)
-
-    @property
-    def prefill_time(self) -> float | None:
-        return _span(self.first_scheduled_time, self.first_token_time)
-
-    @property
-    def decode_time(self) -> float | None:
-        return _span(self.first_token_time, self.last_token_time)
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return _span(self.arrival_time, self.first_token_time)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return _span(self.arrival_time, self.finished_time)
-
-
-def _span(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None else end - start
 
 
 @dataclass(eq=False)

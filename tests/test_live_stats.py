@@ -8,8 +8,7 @@ import pytest
 
 from pagedllm.metrics.live_stats import NUM_SAMPLES, SAMPLE_INTERVAL_S, WINDOW, LiveStats
 from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.request import RequestMetrics
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def _finished(req_id: str, queue_s: float, prefill_s: float, decode_s: float) -> RequestOutput:

@@ -9,8 +9,7 @@ import pytest
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineUnavailableError, QueueFullError, RequestFailedError
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.request import RequestMetrics
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -9,8 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm.metrics.buckets import token_buckets
 from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import MAX_TRACKED_USERS, NO_USER, OTHER_USERS, PrefixCacheStats, SchedulerStats
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.request import RequestMetrics
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def _samples(metrics: PrometheusMetrics) -> dict[tuple[str, tuple], float]:

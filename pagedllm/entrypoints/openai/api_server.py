@@ -44,7 +44,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagedllm import __version__, limits
+from pagedllm import limits
 from pagedllm.analysis.block_map import block_holders, block_map
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.async_engine import AsyncLLM, QueueFullError
@@ -73,6 +73,7 @@ from pagedllm.metrics.prometheus import PrometheusMetrics, caller_labels_on
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import load_tokenizer
+from pagedllm.version import __version__
 from pagedllm.worker.worker import resolve_device
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")  # by name: also run as __main__
