@@ -42,6 +42,7 @@ serve: setup
 lint: setup
 	$(BIN)/ruff check pagedllm tests benchmarks
 	$(BIN)/ruff format --check pagedllm tests benchmarks
+	$(BIN)/mypy pagedllm/core pagedllm/engine pagedllm/worker pagedllm/sample
 
 format: setup
 	$(BIN)/ruff format pagedllm tests benchmarks

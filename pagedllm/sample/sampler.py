@@ -169,7 +169,8 @@ def gather_logprobs(
         if k is None:
             results.append(None)
             continue
-        ids = [token_list[i]] + (top_ids[i, :k].tolist() if k else [])
-        lps = [chosen_list[i]] + (top_lp[i, :k].tolist() if k else [])
+        # k > 0 means max_k > 0, so topk ran and top_ids, top_lp are tensors
+        ids = [token_list[i]] + (top_ids[i, :k].tolist() if k else [])  # type: ignore[index]
+        lps = [chosen_list[i]] + (top_lp[i, :k].tolist() if k else [])  # type: ignore[index]
         results.append(TokenLogprobs(ids, lps, [ranks[i], *range(1, k + 1)]))
     return results
