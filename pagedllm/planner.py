@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
-from pagedllm.distributed.parallel_state import check_divides
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import gguf_hf_config
 from pagedllm.model.loader import locate_model, resolve_dtype
@@ -166,7 +165,7 @@ def plan_capacity(
     on this CPU what the engine picks here. Raises ValueError where the engine would refuse to
     start for other reasons than fit (max_model_len over the model's, no memory left).
     """
-    check_divides(model_config, tensor_parallel_size)
+    model_config.check_tensor_parallel_size(tensor_parallel_size)
     budget = budget or MemoryBudget()
     on_gpu = budget.device_memory_bytes is not None and budget.kv_cache_memory_bytes is None
     model_dtype = dtype if dtype != "auto" else _auto_dtype(on_gpu)

@@ -1,4 +1,4 @@
-"""The groups a tensor-parallel rank talks through, and the rules of the split.
+"""The groups a tensor-parallel rank talks through, and each rank's share of its host's cores.
 
 Two groups over the same ranks, as vLLM keeps them:
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import socket
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ import torch.distributed as dist
 from pagedllm.config import parse_cores
 from pagedllm.distributed import shm_all_reduce
 from pagedllm.distributed.shm_all_reduce import ShmAllReduce
-from pagedllm.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -166,23 +164,6 @@ def free_port(address: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
         return sock.getsockname()[1]
-
-
-def check_divides(config: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError, naming the sizes that work, unless every rank gets whole heads."""
-    counts = {
-        "attention heads": config.num_attention_heads,
-        "KV heads": config.num_key_value_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    for name, count in counts.items():
-        if count % tp_size:
-            common = math.gcd(*counts.values())
-            sizes = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
-            raise ValueError(
-                f"tensor_parallel_size: {tp_size} does not divide this model's {count} {name}, and "
-                f"each rank must own an equal share; sizes that work for this model: {sizes}"
-            )
 
 
 def rank_threads(num_cores: int, local_rank: int, local_world_size: int) -> int:

@@ -19,7 +19,6 @@ from pathlib import Path
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import (
-    check_divides,
     check_no_tp_group,
     destroy_tp_group,
     free_port,
@@ -66,7 +65,7 @@ class DistributedExecutor(Executor):
     # ---- the executor ------------------------------------------------------------------------
 
     def start(self, max_model_len: int) -> None:
-        check_divides(self.model_config, self.tp_size)
+        self.model_config.check_tensor_parallel_size(self.tp_size)
         check_no_tp_group()  # before any rank starts: a failed start would free the group it found
         self.config = config = self.config.replace(max_model_len=max_model_len)
         address = self._driver_address()

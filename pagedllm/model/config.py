@@ -7,6 +7,7 @@ translated into this same form (see gguf_convert.py), so there is one reader.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,22 @@ class ModelConfig:
         head_rows = self.vocab_size // tp_size if self.vocab_size % tp_size == 0 else self.vocab_size
         embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
         return layers * per_layer + embeddings + h
+
+    def check_tensor_parallel_size(self, tp_size: int) -> None:
+        """Raise ValueError, naming the sizes that work, unless every rank gets whole heads."""
+        counts = {
+            "attention heads": self.num_attention_heads,
+            "KV heads": self.num_key_value_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+        for name, count in counts.items():
+            if count % tp_size:
+                common = math.gcd(*counts.values())
+                sizes = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
+                raise ValueError(
+                    f"tensor_parallel_size: {tp_size} does not divide this model's {count} {name}, and "
+                    f"each rank must own an equal share; sizes that work for this model: {sizes}"
+                )
 
     def resolve_max_model_len(self, requested: int | None) -> int:
         """The context the engine serves: `requested` or the model's, capped at a sliding window
