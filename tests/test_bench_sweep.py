@@ -12,6 +12,8 @@ import pytest
 from pagedllm.bench.sweep import SettingResult, mark, parse_grid, settings_of
 from pagedllm.entrypoints.cli.main import build_parser, main
 
+pytestmark = pytest.mark.slow  # every setting in a process of its own
+
 
 def test_a_short_sweep_recommends_the_fastest_setting_within_the_slo(tmp_path, capsys):
     workload = tmp_path / "tiny.jsonl"

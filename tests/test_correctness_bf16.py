@@ -25,6 +25,8 @@ from pagedllm import LLM, SamplingParams
 from .conftest import Reference
 from .helpers import TEST_ENGINE_ARGS, labelled_prompts
 
+pytestmark = pytest.mark.slow  # a bfloat16 transformers reference loaded for one test
+
 NEW_TOKENS = 48
 
 

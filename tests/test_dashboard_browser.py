@@ -21,9 +21,13 @@ sync_api = pytest.importorskip(
     "playwright.sync_api", reason="Playwright is not installed: pip install -c constraints.txt -e '.[dev]'"
 )
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="no Chromium on PATH: apt-get install chromium (`make setup` does it as root)"
-)
+pytestmark = [
+    pytest.mark.slow,  # a browser and a server of its own
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no Chromium on PATH: apt-get install chromium (`make setup` does it as root)",
+    ),
+]
 
 API_KEY = "browser-key"
 MODEL = "SmolLM2-135M-Instruct"

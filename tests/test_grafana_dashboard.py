@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .helpers import RemoteServer, server_engine_args
 
+pytestmark = pytest.mark.slow  # servers of its own
+
 DASHBOARD = Path(__file__).parents[1] / "examples" / "grafana" / "pagedllm-dashboard.json"
 MODEL = "SmolLM2-135M-Instruct"
 

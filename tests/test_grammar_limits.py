@@ -18,6 +18,8 @@ import pytest
 
 from .helpers import ASK, MODEL, PERSON, WEATHER, RemoteServer, nested_schema_text, server_engine_args
 
+pytestmark = pytest.mark.slow  # grammars that compile for seconds on purpose, a server of its own
+
 COMPILE_TIMEOUT_S = 3.0
 RUNAWAY = nested_schema_text(450)  # ~8 s to compile on a quiet core, 25-45 s on a busy server
 

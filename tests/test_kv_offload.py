@@ -375,6 +375,7 @@ def complete(url: str, prompt: str) -> dict:
     return response.json()
 
 
+@pytest.mark.slow
 def test_a_server_keeps_serving_past_a_fifo_and_a_sparse_gib_under_block_names(tmp_path, populated, llm):
     """Planted after start-up (so the index holds them): each request is a prompt miss, a
     bystander completes, memory does not grow by the GiB, SIGTERM exits at once."""
@@ -410,6 +411,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_a_server_on_a_read_only_mount_serves_hits_from_it(tmp_path, populated, llm):
     """A real read-only mount (a private mount namespace): the review's EROFS from os.utime and
     os.unlink, for real. Hits come from the files, a corrupted one is ignored, nothing changes."""
@@ -452,6 +454,7 @@ def start_up_error(tmp_path: Path, *args: str) -> str:
     return done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_bad_offload_and_warm_up_values_end_start_up_in_one_line(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("")

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .helpers import MODEL, TEST_ENGINE_ARGS, RemoteServer, server_engine_args
 
+pytestmark = pytest.mark.slow  # a server of its own
+
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_cpu_metrics.txt"
 
 NOT_APPLICABLE = {

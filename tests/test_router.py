@@ -197,6 +197,7 @@ def _hit_rate_multiturn(client: openai.OpenAI, tag: str) -> float:
     return num_cached / num_prompt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", ["shared_prefix", "multiturn"])
 def test_cache_aware_keeps_a_single_replicas_hit_rate(replicas, routers, workload: str) -> None:
     # A fresh tag per run opens every prompt, so no run finds another run's blocks in a cache.
@@ -209,6 +210,7 @@ def test_cache_aware_keeps_a_single_replicas_hit_rate(replicas, routers, workloa
     assert rates["cache_aware"] >= 0.9 * rates["single"]
 
 
+@pytest.mark.slow
 def test_streaming_passes_through(routers) -> None:
     client = routers["cache_aware"].client()
     kwargs = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
@@ -217,6 +219,7 @@ def test_streaming_passes_through(routers) -> None:
     assert "".join(chunks) == client.completions.create(**kwargs).choices[0].text
 
 
+@pytest.mark.slow
 def test_models_health_and_authorization_pass_through(routers) -> None:
     url = routers["cache_aware"].url
     assert httpx.get(f"{url}/health").status_code == 200
@@ -226,6 +229,7 @@ def test_models_health_and_authorization_pass_through(routers) -> None:
     assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
 
 
+@pytest.mark.slow
 def test_metrics_aggregate_both_replicas(replicas, routers) -> None:
     text = httpx.get(f"{routers['round_robin'].url}/metrics").text
     type_lines = [line for line in text.splitlines() if line.startswith("# TYPE ")]
@@ -261,6 +265,7 @@ def _peak_rss_mib(pid: int) -> float:
     return int(status.split("VmHWM:")[1].split()[0]) / 1024
 
 
+@pytest.mark.slow
 def test_bodies_are_bounded_before_they_reach_a_replica(replicas) -> None:
     """A replica's 413 and 400, answered by the router without holding the body or forwarding it."""
     limit = 65536
@@ -293,6 +298,7 @@ def test_bodies_are_bounded_before_they_reach_a_replica(replicas) -> None:
         proc.wait(30)
 
 
+@pytest.mark.slow
 def test_stats_and_dashboard_merge_the_replicas(replicas, routers) -> None:
     url = routers["round_robin"].url
     auth = {"Authorization": f"Bearer {API_KEY}"}
@@ -360,6 +366,7 @@ def test_a_stream_broken_mid_way_ends_with_an_error_event() -> None:
     assert '"error"' in body and body.endswith("data: [DONE]\n\n")
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_taken_out_without_client_errors(replicas) -> None:
     """A replica of its own is killed, behind routers of their own: the module's replicas and routers
     stay whole for the other tests, in any order. The health interval is 60 s, so requests find the

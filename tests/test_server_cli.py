@@ -86,6 +86,7 @@ def test_api_key_comes_from_the_environment(monkeypatch):
     assert api_server.make_arg_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
 
 
+@pytest.mark.slow
 def test_vllm_command_line_serves_then_sigterm_finishes_in_flight_work_and_exits_0():
     # vLLM's tuning-guide line with pagedllm in its place; --port 0 only so tests never collide.
     server = RemoteServer(
@@ -207,6 +208,7 @@ def test_the_command_table_says_what_each_subcommand_says():
         build_parser(["servve"]).parse_args(["servve"])  # a typo is still an error
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_model_load_exits_without_sigabrt():
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm", "serve", "--port", "0", *server_engine_args()],
@@ -299,6 +301,7 @@ def _read_until(fd: int, text: str, seen: list[str], since: int = 0, timeout: fl
     return found + len(text)
 
 
+@pytest.mark.slow
 def test_chat_in_a_terminal_ctrl_c_stops_the_reply_and_the_console_stays_clean():
     argv = [
         sys.executable,

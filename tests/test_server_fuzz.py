@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 
 from .helpers import TEST_ENGINE_ARGS, RemoteServer
 
+pytestmark = pytest.mark.slow  # schemathesis sends hundreds of generated requests
+
 API_KEY = "fuzz-key"
 # Short contexts and a short queue keep generated requests cheap: most are refused at once, the
 # rest generate a few tokens.

@@ -21,6 +21,8 @@ from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
 from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
 
+pytestmark = pytest.mark.slow  # two ranks per engine, a killed rank, ray: about a minute
+
 # 4 heads / 2 KV heads (head_dim 64: the kernel's AVX-512 path), tied embeddings like SmolLM2.
 TINY_LLAMA = {
     "hidden_size": 256,

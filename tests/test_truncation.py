@@ -12,6 +12,8 @@ from pagedllm import SamplingParams
 
 from .helpers import MODEL, RemoteServer
 
+pytestmark = pytest.mark.slow  # two servers of its own
+
 MAX_MODEL_LEN = 512
 TURN = "Tell me more about the history of paged memory in operating systems and databases. " * 3
 
