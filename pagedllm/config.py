@@ -99,7 +99,9 @@ class EngineConfig:
     dtype: DType = field(
         default="auto",
         metadata=_flag(
-            "Weight and activation dtype. auto: bfloat16 where the device supports it, else float32."
+            "Weight and activation dtype. auto: on CUDA bfloat16, or float16 where the GPU has no "
+            "bfloat16; on CPU bfloat16 where it has bfloat16 instructions (AVX-512-BF16, AMX), "
+            "else float32."
         ),
     )
     device: Device = field(default="auto", metadata=_flag("auto: cuda when available, else cpu."))

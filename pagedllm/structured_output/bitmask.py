@@ -1,5 +1,9 @@
 """The per-step token bitmask of the constrained rows: filled by the scheduler's side, applied to
-the logits by the runner (32 tokens per int32 word; a clear bit forbids its token)."""
+the logits by the runner (32 tokens per int32 word; a clear bit forbids its token).
+
+The scheduler imports this file, and core/ imports no torch: torch comes in with xgrammar, when a
+step first has a constrained row (the bitmask is the torch tensor xgrammar allocates).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from pagedllm.outputs import INVALID_REQUEST
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedllm.structured_output.backend import RequestGrammar
 
 
@@ -49,6 +53,7 @@ def fill_bitmask(grammars: Sequence[tuple[str, RequestGrammar]]) -> GrammarBitma
 
 def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, row_of: dict[str, int]) -> None:
     """Forbidden tokens of the constrained rows -> -inf, in place. logits: [rows, vocab] float32."""
+    import torch
     import xgrammar
 
     rows = [row_of[req_id] for req_id in grammar.req_ids]
