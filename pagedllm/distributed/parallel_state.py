@@ -169,9 +169,9 @@ def free_port(address: str) -> int:
 def rank_threads(num_cores: int, local_rank: int, local_world_size: int) -> int:
     """This rank's share of its host's cores, as a thread count (as even as the count allows).
 
-    Ranks are not pinned to their cores: measured on 2 cores, a gloo all-reduce of a decode
-    step's [8, 512] takes 0.25 ms between unpinned ranks and 1.8 ms with each rank pinned to
-    its core (gloo's own threads then wait for the one core its rank keeps busy).
+    Ranks are not pinned to their cores: a pinned rank's gloo threads wait for the one core its
+    rank keeps busy, which made an all-reduce much slower (docs/benchmarks.md,
+    "Figures behind choices in the code").
     """
     per_rank, extra = divmod(num_cores, local_world_size)
     return max(1, per_rank + (local_rank < extra))

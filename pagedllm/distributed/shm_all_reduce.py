@@ -1,12 +1,11 @@
 """All-reduce through shared memory, for tensor-parallel ranks on one x86 host (CPU).
 
 Why: a gloo all-reduce hands the tensor to gloo's threads and sleeps until the peer's bytes
-arrive over TCP. Measured on this 2-vCPU VM, with a little compute between calls (as in a
-forward pass), that is ~1.2 ms per all-reduce of a decode step's [1, 512], and a forward pass
-has two per layer: 73 ms of a 87 ms decode step. Here each rank copies its partial sums into its
-slot of a shared buffer, publishes a sequence number, and spins (yielding the core) until every
-rank has published; then every rank adds the slots in rank order, so all ranks hold bit-identical
-sums. vLLM's CPU backend does the same in C++.
+arrive over TCP; a forward pass has two all-reduces per layer, and on a small CPU host they took
+most of a decode step (docs/benchmarks.md, "Figures behind choices in the code"). Here each rank
+copies its partial sums into its slot of a shared buffer, publishes a sequence number, and spins
+(yielding the core) until every rank has published; then every rank adds the slots in rank order,
+so all ranks hold bit-identical sums. vLLM's CPU backend does the same in C++.
 
     /dev/shm file (unlinked once every rank has mapped it):
     | flag rank 0 | flag rank 1 | ... (one 64-byte line each) | data, parity 0: world x max_bytes | parity 1 |

@@ -18,8 +18,8 @@ tensor-parallel rank that dies (even while idle), leaves the engine's state unkn
 stops, every stream gets EngineUnavailableError, and the fatal callback tells the server to exit
 non-zero so a supervisor restarts it. The server builds the engine
 on that thread as well (`launch`), so every torch op of the process runs on one thread: with
-PyTorch's OpenMP pool, parallel ops ran ~40% slower on a thread started after another thread
-had made its own pool (measured here: 34 vs 57 tokens/s on the same steps). Outputs are cumulative, so a
+PyTorch's OpenMP pool, parallel ops run markedly slower on a thread started after another thread
+had made its own pool (docs/benchmarks.md, issue 4). Outputs are cumulative, so a
 stream keeps only the latest output per choice: a slow client skips steps instead of queueing them.
 """
 

@@ -2,11 +2,8 @@
 
 On CPU in float32, and in bfloat16 where the CPU has bfloat16 instructions, weights are packed
 once, after loading, into oneDNN's blocked layout and multiplied with oneDNN (the path
-torch.compile's CPU backend takes). Measured over SmolLM2's 30 layers, float32 on an AVX2 host:
-19 ms instead of 30 ms for a single row, 130 instead of 154-175 ms for 64 rows, about the same
-for prefill-sized chunks; its 49,152-row lm_head 1.4-2.6x faster. bfloat16 on an AVX-512-BF16
-host (AMD Zen 5): a decode step of 8 requests 37 -> 21 ms (every projection 1.3-2.4x faster,
-the lm_head 1.2-3.7x), and faster at every size up to 256 rows.
+torch.compile's CPU backend takes): faster than unpacked weights for decode-sized products and
+the lm_head, as fast for prefill-sized chunks.
 
 Unpacked, few-row products (decode steps) go as W @ Xᵀ, which MKL streams from memory
 better than X @ Wᵀ; from about a hundred rows on the usual orientation is as fast or faster.
@@ -15,10 +12,8 @@ Where cpu_kernel.few_rows_linear serves the CPU and dtype (bfloat16 with AVX512-
 AMX; float32 with AVX2 or AVX-512), the weight is packed for it instead, and it computes every
 product: it streams the weight at close to the machine's bandwidth where oneDNN reaches about two
 thirds of it, and keeps its sums in registers as the rows grow, about oneDNN's speed for prompts.
-SmolLM2's 30 layers on AMD Zen 5 against oneDNN (benchmarks/few_rows_linear.py), 1 to 64 rows /
-128 to 2,048: bfloat16 1.16-1.30x / 0.98-1.11x; float32 1.17-1.60x / 0.96-1.07x; float32 held
-to AVX2 1.08-1.45x / 0.95-1.06x. The lm_head: 0.94-1.28x, 0.71x once (docs/benchmarks.md). On
-AMX, bfloat16 stays with oneDNN's tiles (not measured against the kernel).
+On AMX, bfloat16 stays with oneDNN's tiles. The timings behind each choice: docs/benchmarks.md,
+"Figures behind choices in the code".
 """
 
 from __future__ import annotations

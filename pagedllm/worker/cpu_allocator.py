@@ -2,8 +2,8 @@
 
 Every step allocates large temporaries (gathered K/V, activations of a prefill chunk).
 glibc serves allocations over its mmap threshold with fresh mmap()s and returns them on
-free, so each step pays page faults to zero the same megabytes again: measured here, a
-batched decode-attention layer took 13.3 ms that way and 6.5 ms with the threshold raised.
+free, so each step pays page faults to zero the same megabytes again, a large share of a batched
+decode-attention layer's time (docs/benchmarks.md, "Figures behind choices in the code").
 vLLM's CPU backend gets the same effect by preloading tcmalloc.
 """
 

@@ -2,10 +2,10 @@
 
 PyTorch splits each operation over its OpenMP threads and waits for the slowest. With one thread
 per core that is fastest on a quiet machine; but when another process takes one of those cores,
-every operation waits for the thread that lost its core, a thousand times a step. Measured on
-2 cores (bfloat16, 8 decoding requests), with a busy loop on one core: 2 threads 124 tokens/s,
-1 thread 292; quiet: 2 threads 408, 1 thread 288. Spinning less (GOMP_SPINCOUNT) or sleeping at
-once (OMP_WAIT_POLICY=passive) gave 153 / 266 loaded but cost 30% quiet.
+every operation waits for the thread that lost its core, a thousand times a step: there fewer
+threads win, on a quiet machine more do. Spinning less (GOMP_SPINCOUNT) or sleeping at once
+(OMP_WAIT_POLICY=passive) helps a loaded machine but costs a quiet one (figures:
+docs/benchmarks.md, "Threads on a shared machine").
 
 So by default the thread count follows the machine: all the cores this process may use while
 they are free, one fewer for each core other processes keep busy (measured every 2 s from

@@ -19,8 +19,8 @@ from pagedllm.worker.request_table import StepRequest
 
 # Decodes are grouped by context length so one long request does not make every short one
 # pay its padding: a group ends where the next context is over twice the group's shortest,
-# so padding never doubles the keys a group reads (measured: a step of 64 mixed-length
-# decodes spent ~13 ms per layer in one padded call, ~4-6 ms in 4-8 such groups).
+# so padding never doubles the keys a group reads (a few such groups beat one padded call:
+# docs/benchmarks.md, "Figures behind choices in the code").
 
 
 @dataclass
