@@ -23,6 +23,3 @@ class SamplingMetadata:
     """Tokens sampled so far: penalties and min_tokens read them."""
     eos_token_ids: list[frozenset[int]]
     """Banned with the stop tokens until min_tokens (unless ignore_eos)."""
-
-    def __len__(self) -> int:
-        return len(self.req_ids)
