@@ -271,7 +271,13 @@ def _cached_tokens_by_source(url: str) -> dict[str, float]:
 
 
 def report(
-    args: argparse.Namespace, soak: Soak, stats: dict, health: int, final_rss: int, cached: dict[str, float]
+    args: argparse.Namespace,
+    soak: Soak,
+    stats: dict,
+    health: int,
+    final_rss: int,
+    cached: dict[str, float],
+    git: str,
 ) -> dict:
     duration = args.minutes * 60
     good = [o for o in soak.outcomes if o.kind == "good" and o.status == "ok"]
@@ -282,7 +288,7 @@ def report(
     kv_cache = stats["kv_cache"]
     leaked = kv_cache["num_blocks"] - kv_cache["free_blocks"]
     result = {
-        "git": git_sha(),
+        "git": git,
         "workload": args.workload,
         "minutes": args.minutes,
         "concurrency": args.concurrency,
@@ -338,6 +344,7 @@ def _pct(value: float | None) -> str:
 def main(args: argparse.Namespace) -> None:
     configure_logging()
     server_args = [*args.server_args.split(), "--api-key", API_KEY, "--disable-log-stats"]
+    git = git_sha()  # the commit the server starts from, not whatever is checked out at the end
     server = ServerProcess(server_args, log_path=args.server_log)
     try:
         soak = asyncio.run(run_soak(args, server))
@@ -345,7 +352,7 @@ def main(args: argparse.Namespace) -> None:
         stats = _idle_stats(server.url)
         health = httpx.get(f"{server.url}/health").status_code
         cached = _cached_tokens_by_source(server.url)
-        result = report(args, soak, stats, health, server.rss_bytes(), cached)
+        result = report(args, soak, stats, health, server.rss_bytes(), cached, git)
     finally:
         server.stop()
     print(result.pop("text"))
