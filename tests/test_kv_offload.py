@@ -51,6 +51,7 @@ def run(llm: LLM, prompt: str = PROMPT):
     return llm.generate([prompt], GREEDY, use_tqdm=False)[0]
 
 
+@pytest.mark.slow
 def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(tmp_path, llm):
     cold = run(llm)
     first = engine(tmp_path)
@@ -67,6 +68,7 @@ def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(tmp_p
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_blocks_evicted_under_pressure_come_back_from_disk(tmp_path, llm):
     small = engine(tmp_path, num_gpu_blocks_override=80, max_model_len=512)
     expected = run(llm).outputs[0].token_ids
@@ -81,6 +83,7 @@ def test_blocks_evicted_under_pressure_come_back_from_disk(tmp_path, llm):
     small.llm_engine.kv_cache_manager.block_pool.check_integrity()
 
 
+@pytest.mark.slow
 def test_corrupted_and_foreign_files_are_refused(tmp_path, llm, caplog):
     first = engine(tmp_path)
     run(first)
@@ -207,6 +210,7 @@ def raise_erofs(*args, **kwargs):
     raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
 
+@pytest.mark.slow
 def test_a_directory_turned_read_only_is_misses_and_schedule_touches_no_file(
     tmp_path, populated, llm, monkeypatch, caplog
 ):

@@ -161,6 +161,7 @@ def _greedy(max_tokens: int = GREEDY_TOKENS, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
+@pytest.mark.slow
 def test_int8_greedy_agrees_with_auto_on_most_prompts(llm, int8_llm):
     """8 prompts x 32 greedy tokens. Measured here: 5 of 8 identical, mean 27.2 tokens to the first
     divergence, and each divergence at a near tie of the auto run (top-2 logprob gaps 0.015, 0.04
@@ -202,6 +203,7 @@ def test_int8_outputs_identical_with_and_without_prefix_caching(int8_llm):
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
 
 
+@pytest.mark.slow
 def test_int8_preemption_finishes_with_the_same_outputs(int8_llm):
     prompts = [("word " * n).strip() + f" number {n}:" for n in (3, 17, 33, 50, 9, 41)]
     baseline = int8_llm.generate(prompts, _greedy(30), use_tqdm=False)

@@ -87,6 +87,7 @@ def test_cache_salt_isolates_tenants(fresh):
     assert run(None) == 0
 
 
+@pytest.mark.slow
 def test_decode_blocks_are_cached_so_the_next_turn_hits_the_answer(fresh):
     turn1 = token_prompt(6, 2 * BLOCK + 5)
     answer = (
@@ -111,6 +112,7 @@ def test_reset_prefix_cache_drops_free_cached_blocks(fresh):
     assert cached_tokens(fresh, [prompt]) == [0]
 
 
+@pytest.mark.slow
 def test_hit_rate_counters(fresh):
     stats_before = fresh.llm_engine.get_stats().prefix_cache
     queries, hits = stats_before.queries, stats_before.hits
