@@ -1,0 +1,78 @@
+"""The import layering docs/architecture.md draws: a module imports its own layer or lower ones,
+never a higher one. Every import counts (module level, inside functions, under TYPE_CHECKING),
+so the check is an AST walk over the source, not what happens to be imported at run time."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
+
+LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modules, or module.sub
+    [
+        "version",
+        "limits",
+        "logger",
+        "outputs",
+        "sampling_params",
+        "cpu_features",
+        "config",
+        "workload",
+        "chat_template",
+        "tokenizer",
+        "structured_output.json_schema",
+    ],
+    ["structured_output", "metrics", "request"],
+    ["core"],
+    ["attention", "distributed"],
+    ["model", "sample"],
+    ["worker"],
+    ["executor"],
+    ["engine"],
+    ["analysis", "planner", "eval"],
+    ["bench", "entrypoints", "__main__"],
+    ["__init__"],
+]
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def _rank(module: str) -> int:
+    """module: dotted, without the leading 'pagedllm.'; '__init__' for the package itself."""
+    parts = module.split(".")
+    return RANK.get(".".join(parts[:2]), RANK[parts[0]])
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if node.module == "pagedllm":  # `from pagedllm import limits` names a module; `LLM` the package
+            return [alias.name if alias.name in RANK else "__init__" for alias in node.names]
+        names = [node.module]
+    else:
+        return []
+    return [name.removeprefix("pagedllm.") for name in names if name.startswith("pagedllm.")]
+
+
+def test_every_module_has_a_layer():
+    unplaced = {_module_of(path).split(".")[0] for path in PACKAGE.rglob("*.py")} - set(RANK)
+    assert not unplaced, f"place these in LAYERS (and docs/architecture.md's map): {sorted(unplaced)}"
+
+
+def test_no_import_runs_up_the_layers():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_of(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in _imported(node):
+                if _rank(target) > _rank(module):
+                    upward.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {module} -> {target}")
+    assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
