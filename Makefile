@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# compile the CPU kernels now (about a minute; once per source tree and CPU), not at the first
 	# engine start; without a compiler it warns and decoding keeps the PyTorch path
 	$(BIN)/python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
-	  from pagedllm.attention import cpu_kernel; cpu_kernel.is_built()"
+	  from pagedllm.kernels import cpu_ops; cpu_ops.is_built()"
 	touch $(STAMP)
 
 test: setup

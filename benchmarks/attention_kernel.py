@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.attention.metadata import DecodeBatch, PrefillSpan
 from pagedllm.attention.paged_attention import decode_gathered, prefill_gathered
 from pagedllm.bench.throughput import git_sha
 from pagedllm.cpu_features import describe_host
+from pagedllm.kernels import cpu_ops
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 32, 30
@@ -44,7 +44,7 @@ def make_case(num_reqs: int, rows: int, seq_len: int, num_blocks: int, dtype: to
 
 
 def kernel_path(k_cache, v_cache, query, tables, starts, seq_lens, scale):
-    return cpu_kernel.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, scale)
+    return cpu_ops.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, scale)
 
 
 def pytorch_path(k_cache, v_cache, query, tables, starts, seq_lens, scale):
@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_kernel.is_built():
+    if not cpu_ops.is_built():
         raise SystemExit("the CPU kernel could not be built here (no compiler?)")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.bench.throughput import git_sha
 from pagedllm.cpu_features import describe_host
+from pagedllm.kernels import cpu_ops
 from pagedllm.model.linear import linear, pack
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of each projection
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    if not cpu_kernel.is_built() or not torch.ops.pagedllm.few_rows_linear_available(args.dtype):
+    if not cpu_ops.is_built() or not torch.ops.pagedllm.few_rows_linear_available(args.dtype):
         raise SystemExit(f"no few-rows kernel for {args.dtype} in this CPU's build")
     gen = torch.Generator().manual_seed(0)
     plain = [
@@ -60,7 +60,7 @@ def main() -> None:
     head = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(dtype)
     paths = {
         "oneDNN": (lambda x, w: linear(x, w), pack),
-        "few_rows_linear": (lambda x, w: cpu_kernel.few_rows_linear(x, w, None), cpu_kernel.pack_few_rows),
+        "few_rows_linear": (lambda x, w: cpu_ops.few_rows_linear(x, w, None), cpu_ops.pack_few_rows),
     }
     packed = {name: ([pack_fn(w) for w in plain], pack_fn(head)) for name, (_, pack_fn) in paths.items()}
     print(f"host: {describe_host()}; dtype {args.dtype}; {torch.get_num_threads()} threads; git {git_sha()}")

@@ -34,4 +34,4 @@ def configure_console_logging(verbose: bool) -> None:
     configure_logging()
     # A first start builds the CPU kernels for about a minute: its two lines stay, or the
     # command would look hung.
-    logging.getLogger("pagedllm.attention.cpu_kernel").setLevel(logging.INFO)
+    logging.getLogger("pagedllm.kernels.cpu_ops").setLevel(logging.INFO)

@@ -9,17 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, quantize
 from pagedllm.attention.metadata import DecodeBatch, PrefillSpan
 from pagedllm.attention.paged_attention import decode_gathered, prefill_gathered
+from pagedllm.kernels import cpu_ops
 
 CACHE_DTYPES = ["float32", "bfloat16", "float16", *KV_CACHE_DTYPES]
 HALF_WIDTH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def test_the_kernel_builds_here():
-    assert cpu_kernel.is_built()  # CI machines have a compiler: a failed build must not pass silently
+    assert cpu_ops.is_built()  # CI machines have a compiler: a failed build must not pass silently
 
 
 def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch):
@@ -28,12 +28,12 @@ def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch):
     import shutil
 
     copy = tmp_path / "csrc"
-    shutil.copytree(cpu_kernel._CSRC, copy)
-    here = cpu_kernel.build_name()
-    monkeypatch.setattr(cpu_kernel, "_CSRC", copy)
-    assert cpu_kernel.build_name() == here
+    shutil.copytree(cpu_ops._CSRC, copy)
+    here = cpu_ops.build_name()
+    monkeypatch.setattr(cpu_ops, "_CSRC", copy)
+    assert cpu_ops.build_name() == here
     (copy / "vec_math.h").write_text((copy / "vec_math.h").read_text() + "\n// another tree\n")
-    assert cpu_kernel.build_name() != here
+    assert cpu_ops.build_name() != here
 
 
 def _random_case(seed: int, cache_dtype: str, num_seqs: int, group: int, head_dim: int, block_size: int):
@@ -69,8 +69,8 @@ def _random_case(seed: int, cache_dtype: str, num_seqs: int, group: int, head_di
 def test_kernel_equals_gather_and_sdpa(cache_dtype, seed, num_seqs, group, head_dim, block_size):
     query, k, v, batch = _random_case(seed, cache_dtype, num_seqs, group, head_dim, block_size)
     scale = head_dim**-0.5
-    assert cpu_kernel.serves(query.device, query.dtype, k.dtype, head_dim)
-    got = cpu_kernel.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, scale)
+    assert cpu_ops.serves(query.device, query.dtype, k.dtype, head_dim)
+    got = cpu_ops.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, scale)
     if cache_dtype in HALF_WIDTH:
         # the kernel widens 16-bit rows and sums in float32: the float32 path on the same values,
         # rounded once to the query's dtype
@@ -88,17 +88,17 @@ def test_reads_outside_the_cache_are_refused():
     too_long = lens.clone()
     too_long[0] = tables.shape[1] * 4 + 1
     with pytest.raises(RuntimeError, match="past the block table"):
-        cpu_kernel.paged_decode_attention(query, k, v, tables, too_long, 0.1)
+        cpu_ops.paged_decode_attention(query, k, v, tables, too_long, 0.1)
     tables[1, 0] = k.shape[0]
     with pytest.raises(RuntimeError, match="not a block"):
-        cpu_kernel.paged_decode_attention(query, k, v, tables, lens, 0.1)
+        cpu_ops.paged_decode_attention(query, k, v, tables, lens, 0.1)
 
 
 def test_nan_in_a_score_reaches_the_output_as_sdpa_gives_it():
     query, k, v, batch = _random_case(1, "float32", num_seqs=2, group=3, head_dim=8, block_size=4)
     k[batch.block_tables[0, 0], 0, 1] = float("nan")  # request 0, token 0, KV head 1
     expected = decode_gathered(query, k, v, batch, 0.3)
-    got = cpu_kernel.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, 0.3)
+    got = cpu_ops.paged_decode_attention(query, k, v, batch.block_tables, batch.seq_lens, 0.3)
     assert got[0, 3:].isnan().all() and expected[0, 3:].isnan().all()  # the heads reading KV head 1
     torch.testing.assert_close(got[0, :3], expected[0, :3])
     torch.testing.assert_close(got[1], expected[1])
@@ -107,9 +107,7 @@ def test_nan_in_a_score_reaches_the_output_as_sdpa_gives_it():
 def test_caches_of_different_dtypes_are_refused():
     query, k, v, batch = _random_case(2, "int8", num_seqs=1, group=1, head_dim=8, block_size=4)
     with pytest.raises(RuntimeError, match="one dtype"):
-        cpu_kernel.paged_decode_attention(
-            query, k, v.view(torch.uint8), batch.block_tables, batch.seq_lens, 0.1
-        )
+        cpu_ops.paged_decode_attention(query, k, v.view(torch.uint8), batch.block_tables, batch.seq_lens, 0.1)
 
 
 def _prefill_case(
@@ -136,7 +134,7 @@ def _prefill_case(
 def test_prefill_chunks_equal_causal_sdpa_over_the_gathered_context(cache_dtype, head_dim):
     rows, contexts = [1, 7, 33, 16, 2], [0, 0, 5, 40, 9]  # decodes, fresh prompts, chunks after a context
     query, k, v, tables, starts, seq_lens = _prefill_case(3, cache_dtype, rows, contexts, head_dim)
-    got = cpu_kernel.paged_attention(query, k, v, tables, starts, seq_lens, 0.25)
+    got = cpu_ops.paged_attention(query, k, v, tables, starts, seq_lens, 0.25)
     for i, (n, context) in enumerate(zip(rows, contexts, strict=True)):
         visible = torch.arange(context + n)[None, :] <= torch.arange(context, context + n)[:, None]
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
@@ -160,7 +158,7 @@ def test_a_tokens_output_is_the_same_however_the_step_is_split(cache_dtype, head
 
     def run(first: int, last: int) -> torch.Tensor:
         starts = torch.tensor([0, last - first])
-        return cpu_kernel.paged_attention(query[first:last], k, v, table, starts, torch.tensor([last]), 0.3)
+        return cpu_ops.paged_attention(query[first:last], k, v, table, starts, torch.tensor([last]), 0.3)
 
     whole = run(0, 45)
     assert torch.equal(torch.cat([run(0, cut), run(cut, 45)]), whole)
@@ -171,9 +169,7 @@ def test_a_tokens_output_is_the_same_however_the_step_is_split(cache_dtype, head
     mixed_query = torch.cat([other_rows[:1], query[:45], other_rows])
     mixed_tables = torch.cat([tables[:1], table, tables[:1]])
     starts = torch.tensor([0, 1, 46, 49])
-    mixed = cpu_kernel.paged_attention(
-        mixed_query, k, v, mixed_tables, starts, torch.tensor([20, 45, 3]), 0.3
-    )
+    mixed = cpu_ops.paged_attention(mixed_query, k, v, mixed_tables, starts, torch.tensor([20, 45, 3]), 0.3)
     assert torch.equal(mixed[1:46], whole)
 
 
@@ -197,9 +193,9 @@ def test_requests_sharing_prefix_blocks_read_them_together_with_the_same_outputs
     query = torch.randn(12, num_kv_heads * group, head_dim, generator=gen)
     if cache_dtype == "bfloat16":
         query = query.bfloat16()
-    together = cpu_kernel.paged_decode_attention(query, k, v, tables, seq_lens, 0.125)
+    together = cpu_ops.paged_decode_attention(query, k, v, tables, seq_lens, 0.125)
     for i in range(12):
-        alone = cpu_kernel.paged_decode_attention(
+        alone = cpu_ops.paged_decode_attention(
             query[i : i + 1], k, v, tables[i : i + 1], seq_lens[i : i + 1], 0.125
         )
         assert torch.equal(alone, together[i : i + 1])
@@ -224,8 +220,8 @@ def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):
     summed = residual + x if with_residual else x
     h = summed.float()
     expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
-    assert cpu_kernel.serves_layer_ops(x)
-    out, new_residual = cpu_kernel.add_rms_norm(x, residual if with_residual else None, weight, 1e-5)
+    assert cpu_ops.serves_layer_ops(x)
+    out, new_residual = cpu_ops.add_rms_norm(x, residual if with_residual else None, weight, 1e-5)
     assert torch.equal(new_residual, summed)
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
     assert ((out.float() - expected.float()).abs() <= (4 if dtype == torch.float32 else 2) * ulp).all()
@@ -245,8 +241,8 @@ def test_rotary_write_kv_equals_apply_rotary_and_write_kv(dtype):
     sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)  # half-negated, as the table holds it
     slots = torch.randperm(40, generator=gen)[:num_tokens]
     caches = [torch.zeros(10, 4, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
-    assert cpu_kernel.serves_rotary_write_kv(qkv, caches[0])
-    q = cpu_kernel.rotary_write_kv(qkv, cos, sin, slots, caches[0], caches[1], num_heads, num_kv_heads)
+    assert cpu_ops.serves_rotary_write_kv(qkv, caches[0])
+    q = cpu_ops.rotary_write_kv(qkv, cos, sin, slots, caches[0], caches[1], num_heads, num_kv_heads)
     q_size = num_heads * head_dim
     qk = apply_rotary(qkv[:, : q_size + num_kv_heads * head_dim].view(num_tokens, -1, head_dim), cos, sin)
     v = qkv[:, q_size + num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
@@ -265,7 +261,7 @@ def test_silu_and_mul_equals_the_pytorch_ops(dtype):
     gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # saturated and zero gates
     gate, up = gate_up.split(1536, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    got = cpu_kernel.silu_and_mul(gate_up)
+    got = cpu_ops.silu_and_mul(gate_up)
     assert got.dtype == dtype and got.shape == expected.shape
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
     if dtype == torch.float32:
@@ -284,14 +280,14 @@ def test_argmax_equals_torch_argmax_with_ties_infinities_and_nan(vocab):
     logits[3, vocab - 1] = float("nan")
     logits[4, vocab // 3] = float("nan")
     logits[4, (2 * vocab) // 3] = float("nan")
-    assert torch.equal(cpu_kernel.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1))
     half = logits[:, : max(1, vocab // 2)].contiguous()
-    assert torch.equal(cpu_kernel.argmax(half), half.argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax(half), half.argmax(dim=-1))
 
 
 def _few_rows_available(dtype: torch.dtype) -> bool:
     name = str(dtype).removeprefix("torch.")
-    return cpu_kernel.is_built() and torch.ops.pagedllm.few_rows_linear_available(name)
+    return cpu_ops.is_built() and torch.ops.pagedllm.few_rows_linear_available(name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -309,7 +305,7 @@ def test_few_rows_linear_equals_the_exact_product_rounded_once(dtype, rows, with
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    got = cpu_kernel.few_rows_linear(x, cpu_kernel.pack_few_rows(weight), bias)
+    got = cpu_ops.few_rows_linear(x, cpu_ops.pack_few_rows(weight), bias)
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     assert got.dtype == dtype and got.shape == (rows, n)
     if dtype == torch.float32:
@@ -326,24 +322,24 @@ def test_few_rows_linear_gives_a_row_the_same_bits_whatever_rows_share_the_call(
     if not _few_rows_available(dtype):
         pytest.skip(f"this CPU build has no few-rows kernel for {dtype}")
     gen = torch.Generator().manual_seed(7)
-    packed = cpu_kernel.pack_few_rows((torch.randn(112, 576, generator=gen) * 0.05).to(dtype))
+    packed = cpu_ops.pack_few_rows((torch.randn(112, 576, generator=gen) * 0.05).to(dtype))
     x = torch.randn(38, 576, generator=gen).to(dtype)
-    together = cpu_kernel.few_rows_linear(x[1:], packed, None)
+    together = cpu_ops.few_rows_linear(x[1:], packed, None)
     odd_offset = x.view(-1)[577 : 577 + 576].view(1, 576)  # starts one element into row 1
     for i in (0, 5, 36):
-        assert torch.equal(cpu_kernel.few_rows_linear(x[1 + i : 2 + i], packed, None), together[i : i + 1])
+        assert torch.equal(cpu_ops.few_rows_linear(x[1 + i : 2 + i], packed, None), together[i : i + 1])
     assert torch.equal(
-        cpu_kernel.few_rows_linear(odd_offset, packed, None),
-        cpu_kernel.few_rows_linear(odd_offset.clone(), packed, None),
+        cpu_ops.few_rows_linear(odd_offset, packed, None),
+        cpu_ops.few_rows_linear(odd_offset.clone(), packed, None),
     )
 
 
 def test_few_rows_linear_rejects_a_weight_it_cannot_pack():
-    if not cpu_kernel.is_built():
+    if not cpu_ops.is_built():
         pytest.skip("no CPU kernel build")
-    assert not cpu_kernel.serves_few_rows_linear(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 % 16
+    assert not cpu_ops.serves_few_rows_linear(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 % 16
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        cpu_kernel.pack_few_rows(torch.zeros(24, 64, dtype=torch.bfloat16))
+        cpu_ops.pack_few_rows(torch.zeros(24, 64, dtype=torch.bfloat16))
 
 
 def test_linear_packed_for_the_few_rows_kernel_answers_every_row_count():
@@ -353,7 +349,7 @@ def test_linear_packed_for_the_few_rows_kernel_answers_every_row_count():
     from pagedllm.model.linear import Linear
 
     layer = Linear(576, 960, bias=False).to(torch.bfloat16)
-    if not cpu_kernel.serves_few_rows_linear(layer.weight):
+    if not cpu_ops.serves_few_rows_linear(layer.weight):
         pytest.skip("this CPU has no few-rows kernel for bfloat16 (or has AMX)")
     plain = layer.weight.detach().clone()
     layer.pack_weight()

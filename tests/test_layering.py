@@ -25,7 +25,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
     ],
     ["structured_output", "metrics", "request"],
     ["core"],
-    ["attention", "distributed"],
+    ["kernels", "attention", "distributed"],
     ["model", "sample"],
     ["worker"],
     ["executor"],

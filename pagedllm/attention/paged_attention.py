@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: the C++ kernel on CPU, PyTorch ops elsewhere.
 
 Every layer first writes the step's new K/V into their slots, then reads:
-- on CPU (float32, bfloat16 or float16 models): one call of the kernel in cpu_kernel.py for
+- on CPU (float32, bfloat16 or float16 models): one call of the kernel in cpu_ops.py for
   every token of the step, decodes and prefill chunks alike, reading each request's blocks where
   they lie (8-bit rows included). Each token's arithmetic is the same however the step was made,
   so chunked, prefix-cached and batched runs agree bit for bit.
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.attention.kv_quant import dequantize, is_quantized, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
+from pagedllm.kernels import cpu_ops
 
 
 def write_kv(
@@ -66,7 +66,7 @@ def paged_attention(
     Returns [num_tokens, num_heads, head_dim]."""
     key_rows, value_rows = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
     if (kernel := metadata.kernel) is not None:
-        return cpu_kernel.paged_attention(
+        return cpu_ops.paged_attention(
             query, k_cache, v_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, scale
         )
     if is_quantized(k_cache) and metadata.prefills:

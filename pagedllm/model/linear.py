@@ -8,7 +8,7 @@ the lm_head, as fast for prefill-sized chunks.
 Unpacked, few-row products (decode steps) go as W @ Xᵀ, which MKL streams from memory
 better than X @ Wᵀ; from about a hundred rows on the usual orientation is as fast or faster.
 
-Where cpu_kernel.few_rows_linear serves the CPU and dtype (bfloat16 with AVX512-BF16 but no
+Where cpu_ops.few_rows_linear serves the CPU and dtype (bfloat16 with AVX512-BF16 but no
 AMX; float32 with AVX2 or AVX-512), the weight is packed for it instead, and it computes every
 product: it streams the weight at close to the machine's bandwidth where oneDNN reaches about two
 thirds of it, and keeps its sums in registers as the rows grow, about oneDNN's speed for prompts.
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.cpu_features import has_fast_bf16
+from pagedllm.kernels import cpu_ops
 
 _FEW_ROWS = 96
 
@@ -53,11 +53,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     few_rows: bool = False
-    """The weight is packed for cpu_kernel.few_rows_linear (pack_weight)."""
+    """The weight is packed for cpu_ops.few_rows_linear (pack_weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.few_rows:
-            return cpu_kernel.few_rows_linear(x, self.weight, self.bias)
+            return cpu_ops.few_rows_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
     def pack_weight(self) -> None:
@@ -66,8 +66,8 @@ class Linear(nn.Linear):
         lm_head) is copied instead, so the other module keeps its plain tensor."""
         if self.few_rows or self.weight.layout == torch._mkldnn:
             return
-        if cpu_kernel.serves_few_rows_linear(self.weight):
-            self.weight = nn.Parameter(cpu_kernel.pack_few_rows(self.weight.detach()), requires_grad=False)
+        if cpu_ops.serves_few_rows_linear(self.weight):
+            self.weight = nn.Parameter(cpu_ops.pack_few_rows(self.weight.detach()), requires_grad=False)
             self.few_rows = True
         elif can_pack(self.weight):
             self.weight = nn.Parameter(pack(self.weight), requires_grad=False)

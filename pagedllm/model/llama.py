@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import paged_attention
 from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.kernels import cpu_ops
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Linear
 from pagedllm.model.rotary import RotaryEmbedding, apply_rotary
@@ -39,8 +39,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if cpu_kernel.serves_layer_ops(x):  # on CPU: one C++ pass instead of up to nine ops
-            return cpu_kernel.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
+        if cpu_ops.serves_layer_ops(x):  # on CPU: one C++ pass instead of up to nine ops
+            return cpu_ops.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
         if residual is not None:
             x = residual + x
         residual = x
@@ -79,12 +79,12 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         kernel = metadata.kernel
-        if kernel is not None and cpu_kernel.serves_rotary_write_kv(qkv, kv_cache[0]):
+        if kernel is not None and cpu_ops.serves_rotary_write_kv(qkv, kv_cache[0]):
             # on CPU: rotary and the K/V write in one C++ pass (same numbers), then the kernel
-            q = cpu_kernel.rotary_write_kv(
+            q = cpu_ops.rotary_write_kv(
                 qkv, *rope, metadata.slot_mapping, *kv_cache, self.num_heads, self.num_kv_heads
             )
-            out = cpu_kernel.paged_attention(
+            out = cpu_ops.paged_attention(
                 q, *kv_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, self.scale
             )
             return _all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.tp)
@@ -108,8 +108,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_kernel.serves_layer_ops(gate_up):  # on CPU: one C++ pass instead of three ops
-            activated = cpu_kernel.silu_and_mul(gate_up)
+        if cpu_ops.serves_layer_ops(gate_up):  # on CPU: one C++ pass instead of three ops
+            activated = cpu_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             activated = F.silu(gate) * up

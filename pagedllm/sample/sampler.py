@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.cpu_kernel import argmax
 from pagedllm.core.outputs import TokenLogprobs
+from pagedllm.kernels.cpu_ops import argmax
 from pagedllm.sample.metadata import SamplingMetadata
 
 

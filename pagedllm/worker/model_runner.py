@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.kernels import cpu_ops
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.structured_output.bitmask import apply_bitmask
@@ -53,7 +53,7 @@ class ModelRunner:
         self.requests = RequestTable(max_num_reqs, -(-max_model_len // block_size))
         # attention in the CPU kernel, else in PyTorch ops: decided once, from the model and cache
         dtype = model.embed_tokens.weight.dtype
-        self.paged_kernel = cpu_kernel.serves(device, dtype, kv_caches[0][0].dtype, model.config.head_dim)
+        self.paged_kernel = cpu_ops.serves(device, dtype, kv_caches[0][0].dtype, model.config.head_dim)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
