@@ -8,15 +8,24 @@ import asyncio
 import pytest
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineUnavailableError, QueueFullError, RequestFailedError
+from pagedllm.engine.input_processor import EngineRequest
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+
+class PassThroughProcessor:
+    """Checks nothing: the prompt text rides along for ScriptedEngine to read."""
+
+    def process(self, req_id, prompt, params, **kwargs) -> EngineRequest:
+        return EngineRequest(req_id, [], params, max_tokens=1, arrival_time=0.0, prompt=prompt)
 
 
 class ScriptedEngine:
     """Each step gives every live request one more token 'a'; requests end after `length` tokens."""
 
     tokenizer = None
+    input_processor = PassThroughProcessor()
 
     def __init__(self, fail_on_step: int | None = None, length: int = 3) -> None:
         """A prompt "fail" makes its request fail alone at its second token."""
@@ -26,7 +35,8 @@ class ScriptedEngine:
         self.steps = 0
         self.fail_on_step = fail_on_step
 
-    def add_request(self, req_id, prompt, params, **kwargs) -> str:
+    def add_request(self, req_id, request: EngineRequest) -> str:
+        prompt, params = request.prompt, request.sampling_params
         if prompt == "bad":
             raise ValueError("prompt: bad")
         self.live[req_id] = (prompt, params, 0)
@@ -99,9 +109,9 @@ def test_a_bad_prompt_adds_nothing_and_a_full_queue_refuses():
     seeds = []
     original = engine.add_request
 
-    def recording_add(req_id, prompt, params, **kwargs):
-        seeds.append(params.seed)
-        return original(req_id, prompt, params, **kwargs)
+    def recording_add(req_id, request):
+        seeds.append(request.sampling_params.seed)
+        return original(req_id, request)
 
     engine.add_request = recording_add  # type: ignore[method-assign]
 

@@ -1,16 +1,17 @@
 """AsyncLLM: the server's engine loop, LLMEngine driven by one background thread.
 
     event loop (HTTP handlers)                        engine thread
-    generate(): check_request (vocabulary, lengths, limits), then
-            ------- add command (SimpleQueue) ---->   engine.add_request: queue
+    generate(): InputProcessor.process (vocabulary, lengths, limits), the grammar, then
+            ------- add command (SimpleQueue) ---->   engine.add_request(EngineRequest): bookkeeping
                <--- result or ValueError ----------
     RequestStream <-- one call_soon_threadsafe ----   engine.step() -> outputs of every request
                       per step
     stream.close() -- abort command -------------->   engine.abort_request: blocks freed at once
 
 Only the engine thread touches LLMEngine (it is not thread-safe); prompts arrive tokenized (the
-server renders and tokenizes them on a thread of its own, AsyncTokenizer), and are checked before
-they are sent, so little but bookkeeping runs on the engine thread per request.
+server renders and tokenizes them on a thread of its own, AsyncTokenizer), and are checked once,
+by the engine's InputProcessor (which reads only start-up facts) on the event loop, so only
+bookkeeping runs on the engine thread per request.
 
 Failures: a request that fails alone (its sampling or detokenization raised) gets
 RequestFailedError on its stream and the others go on. Anything else raised by a step, or a
@@ -36,7 +37,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm import limits
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import INVALID_REQUEST, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -211,20 +213,33 @@ class AsyncLLM:
         atomic add: all are queued or none. Raises ValueError for a bad request,
         QueueFullError past --max-queue-len, EngineUnavailableError when not serving."""
         self._check_available()
-        self._check(prompts, params, cache_salt, user)
+        self._check_counts(prompts, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        processor = self._input_processor()
+        processed = [
+            processor.process(
+                request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt, user=user
+            )
+            for prompt in prompts
+        ]
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._compile_grammar(params.structured_outputs)
-        req_ids = [f"{request_id}-{i}" for i in range(len(prompts) * params.n)]
+        # choice i*n + j: prompt i, params.per_sequence()[j]
+        requests = [
+            dataclasses.replace(
+                request, req_id=f"{request_id}-{i * params.n + j}", sampling_params=child, grammar=grammar
+            )
+            for i, request in enumerate(processed)
+            for j, child in enumerate(params.per_sequence())
+        ]
+        req_ids = [request.req_id for request in requests]
         stream = RequestStream(self, req_ids)
         # Routes exist before the add is sent, so the first outputs always find their stream.
         for index, req_id in enumerate(req_ids):
             self._routes[req_id] = (stream, index)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
         try:
-            await self.call(
-                lambda engine: self._add(engine, prompts, params, req_ids, arrival, cache_salt, user, grammar)
-            )
+            await self.call(lambda engine: self._add(engine, requests))
         except asyncio.CancelledError:
             self.abort(req_ids)  # the add may have gone through before the handler was cancelled
             raise
@@ -255,10 +270,12 @@ class AsyncLLM:
                 self._commands.put(command)
             return not self._is_stopped
 
-    def _check(
-        self, prompts: Sequence[PromptType], params: SamplingParams, cache_salt: str | None, user: str | None
-    ) -> None:
-        """What can be checked before the engine thread: counts, then every tokenized prompt."""
+    def _input_processor(self) -> InputProcessor:
+        """The engine's front door: set at its construction and read-only after, so safe here."""
+        return self.engine.input_processor
+
+    def _check_counts(self, prompts: Sequence[PromptType], params: SamplingParams) -> None:
+        """The fan-out's size, before any prompt is processed."""
         num_choices = len(prompts) * params.n
         if num_choices > limits.MAX_CHOICES:
             raise ValueError(
@@ -268,11 +285,6 @@ class AsyncLLM:
             raise ValueError(
                 f"n: {num_choices} sequences (prompts x n) can never fit --max-queue-len {self.max_queue_len}"
             )
-        for prompt in prompts:
-            if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-                self.engine.check_request(
-                    prompt["prompt_token_ids"], params, cache_salt=cache_salt, user=user
-                )
 
     async def _compile_grammar(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """Compile a request's grammar in a compile process (a slow one holds up no step, no
@@ -280,7 +292,7 @@ class AsyncLLM:
         invalid or too slow; EngineUnavailableError if shutdown cuts it."""
         if self._grammar_pool is None:
             self._grammar_pool = GrammarCompilePool(
-                self.engine.structured_output,
+                self._input_processor().structured_output,
                 num_workers=limits.GRAMMAR_COMPILE_WORKERS,
                 timeout_s=limits.GRAMMAR_COMPILE_TIMEOUT_S,
             )
@@ -322,42 +334,19 @@ class AsyncLLM:
 
     # ---- engine thread -----------------------------------------------------------------------
 
-    def _add(
-        self,
-        engine: LLMEngine,
-        prompts: Sequence[PromptType],
-        params: SamplingParams,
-        req_ids: list[str],
-        arrival_time: float,
-        cache_salt: str | None,
-        user: str | None,
-        grammar: xgrammar.CompiledGrammar | None,
-    ) -> None:
-        if grammar is not None:  # cached again here, so add_request finds it whatever came since
-            # a grammar is compiled only from params.structured_outputs
-            engine.structured_output.put(params.structured_outputs, grammar)  # type: ignore[arg-type]
+    def _add(self, engine: LLMEngine, requests: list[EngineRequest]) -> None:
+        """All or none of a fan-out's requests, already processed: bookkeeping only."""
         if self.max_queue_len is not None:
             waiting = engine.get_stats().num_waiting_reqs
-            if waiting + len(req_ids) > self.max_queue_len:
+            if waiting + len(requests) > self.max_queue_len:
                 raise QueueFullError(
-                    f"{waiting} requests are waiting and {len(req_ids)} more would pass --max-queue-len "
+                    f"{waiting} requests are waiting and {len(requests)} more would pass --max-queue-len "
                     f"{self.max_queue_len}; retry later"
                 )
-        children = params.per_sequence()
         added: list[str] = []
         try:
-            for i, prompt in enumerate(prompts):
-                for j, child in enumerate(children):
-                    added.append(
-                        engine.add_request(
-                            req_ids[i * params.n + j],
-                            prompt,
-                            child,
-                            arrival_time=arrival_time,
-                            cache_salt=cache_salt,
-                            user=user,
-                        )
-                    )
+            for request in requests:
+                added.append(engine.add_request(request.req_id, request))
         except BaseException:
             engine.abort_request(added)
             raise

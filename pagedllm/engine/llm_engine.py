@@ -10,16 +10,17 @@ thread-safe: one thread calls it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pagedllm import limits
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor, make_executor
 from pagedllm.metrics.divergence import DivergenceFinder
@@ -30,7 +31,7 @@ from pagedllm.model.loader import model_display_name, resolve_model_folder, reso
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.backend import StructuredOutputBackend
+from pagedllm.structured_output.backend import RequestGrammar
 from pagedllm.tokenizer import load_tokenizer, workload_prompts
 from pagedllm.worker.kv_cache import KVCachePlan
 from pagedllm.worker.kv_offload import DiskKVStore, fingerprint
@@ -38,8 +39,6 @@ from pagedllm.worker.worker import Worker
 from pagedllm.workload import load_workload
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict
 
 
 class LLMEngine:
@@ -108,9 +107,14 @@ class LLMEngine:
             ]
         )
         self._request_counter = itertools.count()
-        self.structured_output = StructuredOutputBackend(
-            self.tokenizer, self.model_config.vocab_size, self._eos_token_ids
+        self.input_processor = InputProcessor(
+            max_model_len=max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            max_logprobs=self.config.max_logprobs,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self._eos_token_ids,
         )
+        """The front door: any thread may call it (it reads only start-up facts)."""
         if self.config.prefix_cache_warmup:
             self.warm_up(self.config.prefix_cache_warmup)
 
@@ -124,86 +128,56 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: PromptType,
+        prompt: PromptType | EngineRequest,
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         user: str | None = None,
     ) -> str:
-        """Validate, tokenize and queue one request. Raises ValueError (naming what is wrong)
-        before the request touches any engine state."""
+        """Queue one request. An EngineRequest (what the server's InputProcessor made) is trusted
+        as is: only bookkeeping runs here. Raw inputs go through `input_processor` first. Raises
+        ValueError (naming what is wrong) before the request touches any engine state."""
+        if isinstance(prompt, EngineRequest):
+            self._check_new_id(prompt.req_id)
+            return self._add(prompt)
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
                 "n: the engine takes one sequence per request; LLM.generate and the server fan out n"
             )
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        prompt_ids = self.truncated(prompt_ids, params)
-        max_tokens = self.check_request(prompt_ids, params, cache_salt=cache_salt, user=user)
-        prompt_ids = list(prompt_ids)  # the request's own copy
         req_id = request_id if request_id is not None else str(next(self._request_counter))
+        request = self.input_processor.process(
+            req_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt, user=user
+        )
+        self._check_new_id(req_id)
+        if params.structured_outputs is not None:
+            grammar = self.input_processor.compile_grammar(params.structured_outputs)
+            request = dataclasses.replace(request, grammar=grammar)
+        return self._add(request)
+
+    def _check_new_id(self, req_id: str) -> None:
         if req_id in self.scheduler.requests or self.output_processor.has_request(req_id):
             raise ValueError(f"request_id: {req_id!r} is already in use")
-        grammar = (
-            self.structured_output.grammar_for(params.structured_outputs)
-            if params.structured_outputs is not None
-            else None
-        )
+
+    def _add(self, processed: EngineRequest) -> str:
+        """Bookkeeping only: the Request, its block hashes, its place in the scheduler."""
         request = Request(
-            req_id=req_id,
-            prompt_token_ids=prompt_ids,
-            sampling_params=params,
+            req_id=processed.req_id,
+            prompt_token_ids=list(processed.prompt_token_ids),  # the request's own copy
+            sampling_params=processed.sampling_params,
             eos_token_ids=self._eos_token_ids,
-            max_tokens=max_tokens,
-            prompt=prompt_text,
-            cache_salt=cache_salt,
-            user=user,
-            arrival_time=arrival_time or time.monotonic(),
-            grammar=grammar,
+            max_tokens=processed.max_tokens,
+            prompt=processed.prompt,
+            cache_salt=processed.cache_salt,
+            user=processed.user,
+            arrival_time=processed.arrival_time,
+            grammar=RequestGrammar(processed.grammar) if processed.grammar is not None else None,
         )
         self.kv_cache_manager.hash_prompt(request)  # here, where a failure is this request's alone
         self.output_processor.add_request(request)
         self.scheduler.add_request(request)
-        return req_id
-
-    def check_request(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        user: str | None = None,
-    ) -> int:
-        """Everything a request must satisfy beyond its own fields (the vocabulary, max_model_len,
-        --max-logprobs, pagedllm.limits); returns its max_tokens. It reads only what is fixed at
-        start-up, so the server calls it on its own thread before a request reaches the engine
-        thread. Raises ValueError naming the field."""
-        prompt_ids = self.truncated(prompt_ids, params)
-        self._check_token_ids("prompt_token_ids", prompt_ids)
-        max_tokens = self._check_lengths(prompt_ids, params)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(
-                    f"{name}: {value} is over the limit of {self.config.max_logprobs} (--max-logprobs)"
-                )
-        self._check_token_ids("stop_token_ids", params.stop_token_ids or [], allow_empty=True)
-        self._check_token_ids("logit_bias", list(params.logit_bias or {}), allow_empty=True)
-        limits.check_text("cache_salt", cache_salt, limits.MAX_CACHE_SALT_CHARS)
-        limits.check_text("user", user, limits.MAX_USER_CHARS)
-        return max_tokens
-
-    def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last truncate_prompt_tokens tokens, or all of it. -1 (vLLM's "as many as
-        max_model_len allows") keeps what leaves room for max_tokens, or for one token without it:
-        a prompt of max_model_len tokens could generate nothing."""
-        keep = params.truncate_prompt_tokens
-        if keep is None or not isinstance(prompt_ids, list):
-            return prompt_ids
-        if keep == -1:  # never below one token: a max_tokens this large gets its own 400
-            keep = max(1, self.max_model_len - (params.max_tokens or 1))
-        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+        return request.req_id
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """End requests now, wherever they are; their blocks go back to the pool at once."""
@@ -326,50 +300,6 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     # ---- helpers -------------------------------------------------------------------------------
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), prompt["prompt_token_ids"]
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: the prompt is empty")
-            limits.check_text("prompt", prompt)
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, list):
-            return None, prompt
-        raise ValueError(f"prompt: expected a string, token ids or a dict, got {type(prompt).__name__}")
-
-    def _check_token_ids(self, name: str, token_ids: object, allow_empty: bool = False) -> None:
-        if not isinstance(token_ids, list) or not (token_ids or allow_empty):
-            raise ValueError(f"{name}: must be a non-empty list of token ids")
-        vocab = self.model_config.vocab_size
-        if not all(type(t) is int and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"{name}: every token id must be an integer in [0, {vocab})")
-
-    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """The request's max_tokens after checking it fits max_model_len."""
-        num_prompt = len(prompt_ids)
-        if not num_prompt:
-            raise ValueError("prompt: the prompt is empty")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {num_prompt:,} tokens leave no room to generate within max_model_len "
-                f"{self.max_model_len:,}; shorten the prompt or raise --max-model-len"
-            )
-        if params.max_tokens is None:
-            return self.max_model_len - num_prompt
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({num_prompt:,} tokens) + max_tokens ({params.max_tokens:,}) = "
-                f"{num_prompt + params.max_tokens:,} is over max_model_len {self.max_model_len:,}; "
-                "lower max_tokens or shorten the prompt"
-            )
-        return params.max_tokens
 
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
