@@ -229,9 +229,9 @@ def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_write_kv_equals_apply_rotary_and_write_kv(dtype):
-    """Bit for bit: the queries rotary.apply_rotary gives, and the rows write_kv writes."""
+    """Bit for bit: the queries apply_rotary gives, and the rows write_kv writes."""
+    from pagedllm.attention.backend import apply_rotary
     from pagedllm.attention.paged_attention import write_kv
-    from pagedllm.model.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(5)
     num_tokens, num_heads, num_kv_heads, head_dim = 9, 6, 2, 64

@@ -1,6 +1,7 @@
 """AttentionMetadata: where each token of a step writes its K/V, and what each query reads.
 
-Built once per step from the scheduled requests and shared by every layer.
+Built once per step from the scheduled requests (by the attention backend) and shared by every
+layer.
 
 Slots: the KV cache of a layer is [num_blocks, block_size, num_kv_heads, head_dim]; seen
 flat it is [num_blocks * block_size, num_kv_heads, head_dim], and token position p of a
@@ -14,8 +15,12 @@ request lives in slot  block_table[p // block_size] * block_size + p % block_siz
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedllm.attention.backend import AttentionBackend
 
 
 @dataclass
@@ -51,9 +56,96 @@ class PagedKernelInput:
 @dataclass
 class AttentionMetadata:
     """Either `kernel` (the CPU kernel takes every token at once), or the decode batches and
-    prefill spans of the PyTorch path."""
+    prefill spans of the PyTorch path; `backend` runs the path it was built for."""
 
     slot_mapping: torch.Tensor  # [num_tokens] where each token's K/V is written
     decode_batches: list[DecodeBatch]
     prefills: list[PrefillSpan]
     kernel: PagedKernelInput | None = None
+    backend: AttentionBackend | None = None  # None: built by hand (tests) for paged_attention()
+
+
+def build_torch_metadata(
+    slot_mapping: torch.Tensor,
+    counts: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    row_offsets: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> AttentionMetadata:
+    """Decode batches grouped by length and one span per prefill chunk, for the PyTorch path.
+    counts, starts, seq_lens: each request's tokens this step, tokens before them, and keys once
+    they are written; row_offsets: its first row. dtype: the model's, for the additive masks."""
+    decode_reqs = [i for i in range(len(counts)) if counts[i] == 1]
+    decode_batches = [
+        _decode_batch(group, row_offsets, seq_lens, block_tables, block_size, device)
+        for group in _group_by_length(decode_reqs, seq_lens)
+    ]
+    prefills = [
+        _prefill_span(i, row_offsets[i], counts[i], starts[i], block_tables, block_size, device, dtype)
+        for i in range(len(counts))
+        if counts[i] > 1
+    ]
+    return AttentionMetadata(slot_mapping.to(device), decode_batches, prefills)
+
+
+# Decodes are grouped by context length so one long request does not make every short one
+# pay its padding: a group ends where the next context is over twice the group's shortest,
+# so padding never doubles the keys a group reads (a few such groups beat one padded call:
+# docs/benchmarks.md, "Figures behind choices in the code").
+def _group_by_length(req_indices: list[int], seq_lens: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for i in sorted(req_indices, key=seq_lens.__getitem__):
+        if groups and seq_lens[i] <= 2 * seq_lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_batch(
+    group: list[int],
+    row_offsets: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> DecodeBatch:
+    group_seq_lens = torch.tensor([seq_lens[i] for i in group])
+    num_blocks = -(-int(group_seq_lens.max()) // block_size)
+    tables = block_tables[torch.tensor(group), :num_blocks]
+    key_positions = torch.arange(num_blocks * block_size)
+    mask = (key_positions[None, :] < group_seq_lens[:, None])[:, None, None, :]
+    return DecodeBatch(
+        token_indices=torch.tensor([row_offsets[i] for i in group], dtype=torch.long).to(device),
+        block_tables=tables.to(device),
+        seq_lens=group_seq_lens.to(device),
+        attend_mask=mask.to(device),
+    )
+
+
+def _prefill_span(
+    req: int,
+    row_offset: int,
+    count: int,
+    start: int,
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PrefillSpan:
+    if start == 0:
+        return PrefillSpan(row_offset, row_offset + count, 0, None, None)
+    seq_len = start + count
+    num_blocks = -(-seq_len // block_size)
+    query_positions = torch.arange(start, seq_len)
+    visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # [chunk, seq_len]
+    # additive, in the model's dtype: SDPA adds it as it is, where a boolean mask would be
+    # converted again in every layer
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return PrefillSpan(
+        row_offset, row_offset + count, start, block_tables[req, :num_blocks].to(device), mask.to(device)
+    )

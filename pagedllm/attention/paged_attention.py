@@ -1,16 +1,14 @@
-"""Attention over the paged KV cache: the C++ kernel on CPU, PyTorch ops elsewhere.
+"""Attention over the paged KV cache in PyTorch ops, on any device (TorchBackend's path; on CPU
+the C++ kernel serves instead where it is built: backend.py).
 
-Every layer first writes the step's new K/V into their slots, then reads:
-- on CPU (float32, bfloat16 or float16 models): one call of the kernel in cpu_ops.py for
-  every token of the step, decodes and prefill chunks alike, reading each request's blocks where
-  they lie (8-bit rows included). Each token's arithmetic is the same however the step was made,
-  so chunked, prefix-cached and batched runs agree bit for bit.
-- elsewhere, decodes batched: the blocks of all decoding requests are gathered in one index_select
+Every layer first writes the step's new K/V into their slots (write_kv, which the CPU kernel
+path also uses for an 8-bit cache), then reads:
+- decodes batched: the blocks of all decoding requests are gathered in one index_select
   ([batch, max_blocks * block_size, kv_heads, head_dim]) and attended in one SDPA call,
   padding masked out. The q heads that share a KV head are laid out as that head's query
   rows ([batch, kv_heads, group, head_dim]), which is exact for a single query position
   and avoids expanding K/V for grouped-query attention.
-- elsewhere, prefills: one SDPA call per request chunk: causal over its own tokens, plus the
+- prefills: one SDPA call per request chunk: causal over its own tokens, plus the
   context already in the cache (earlier chunks or prefix-cache hits) when there is one.
 
 An 8-bit cache (kv_quant.py) is quantized on write and dequantized where blocks are gathered;
@@ -24,7 +22,6 @@ import torch.nn.functional as F
 
 from pagedllm.attention.kv_quant import dequantize, is_quantized, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
-from pagedllm.kernels import cpu_ops
 
 
 def write_kv(
@@ -65,10 +62,6 @@ def paged_attention(
     """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]."""
     key_rows, value_rows = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
-    if (kernel := metadata.kernel) is not None:
-        return cpu_ops.paged_attention(
-            query, k_cache, v_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, scale
-        )
     if is_quantized(k_cache) and metadata.prefills:
         # Attention sees K/V only as the cache holds them, so a prompt scores the same in one
         # chunk, in several, or after a prefix-cache hit (the last two read the cache anyway).

@@ -183,9 +183,9 @@ def rotary_write_kv(
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor:
-    """Rotate a fused qkv projection's queries and keys (as rotary.apply_rotary does, bit for
-    bit), write keys and values into their cache slots; returns the queries [num_tokens,
-    num_heads, head_dim]. qkv: [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]."""
+    """Rotate a fused qkv projection's queries and keys (as attention/backend.py's apply_rotary
+    does, bit for bit), write keys and values into their cache slots; returns the queries
+    [num_tokens, num_heads, head_dim]. qkv: [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]."""
     return torch.ops.pagedllm.rotary_write_kv(
         qkv.contiguous(),
         cos.reshape(qkv.shape[0], -1),

@@ -16,18 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.backend import Attention, CosSin, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_attention import paged_attention
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Linear
-from pagedllm.model.rotary import RotaryEmbedding, apply_rotary
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
-CosSin = tuple[
-    torch.Tensor, torch.Tensor
-]  # rotary tables of this step's positions, [num_tokens, 1, head_dim]
+from pagedllm.model.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -69,8 +64,9 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size // tp_size, config.kv_size // tp_size
-        self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        # rotary, the K/V write and paged attention: the step's backend (attention/backend.py)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(
@@ -78,21 +74,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        kernel = metadata.kernel
-        if kernel is not None and cpu_ops.serves_rotary_write_kv(qkv, kv_cache[0]):
-            # on CPU: rotary and the K/V write in one C++ pass (same numbers), then the kernel
-            q = cpu_ops.rotary_write_kv(
-                qkv, *rope, metadata.slot_mapping, *kv_cache, self.num_heads, self.num_kv_heads
-            )
-            out = cpu_ops.paged_attention(
-                q, *kv_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, self.scale
-            )
-            return _all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.tp)
-        # queries and keys are rotated together: [num_tokens, num_heads + num_kv_heads, head_dim]
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        out = self.attn(qkv, rope, kv_cache, metadata)  # [num_tokens, num_heads, head_dim]
         return _all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.tp)
 
 

@@ -56,7 +56,7 @@ class RotaryEmbedding(torch.nn.Module):
     def compute_cache(self) -> None:
         """Fill the cos/sin tables (computed in float32, stored in the model dtype, as Hugging
         Face casts them before use). The sin table's first half is stored negated: see
-        apply_rotary."""
+        attention/backend.py's apply_rotary."""
         inv_freq = inverse_frequencies(self.config)
         positions = torch.arange(self.max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
@@ -70,12 +70,3 @@ class RotaryEmbedding(torch.nn.Module):
         """cos and (half-negated) sin for each token, [num_tokens, 1, head_dim]; looked up once
         per step."""
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim], queries and keys together (one set of ops for both).
-
-    Hugging Face computes x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]; here
-    [x2, x1] (a roll) times a sin table whose first half is negated: (-x2) * s and x2 * (-s) are
-    the same number, so the result is bit for bit the same, in four ops instead of twelve."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

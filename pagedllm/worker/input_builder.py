@@ -14,13 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PagedKernelInput, PrefillSpan
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.worker.request_table import StepRequest
-
-# Decodes are grouped by context length so one long request does not make every short one
-# pay its padding: a group ends where the next context is over twice the group's shortest,
-# so padding never doubles the keys a group reads (a few such groups beat one padded call:
-# docs/benchmarks.md, "Figures behind choices in the code").
 
 
 @dataclass
@@ -40,12 +36,10 @@ def build_model_input(
     block_tables: torch.Tensor,
     block_size: int,
     device: torch.device,
-    dtype: torch.dtype,
-    paged_kernel: bool = False,
+    attn_backend: AttentionBackend,
 ) -> ModelInput:
-    """block_tables: [len(scheduled), >= the most blocks any of them uses this step]. dtype: the
-    model's, for the additive attention masks. paged_kernel: attention runs in the CPU kernel
-    (metadata for it alone), else in PyTorch ops (decode batches, prefill spans)."""
+    """block_tables: [len(scheduled), >= the most blocks any of them uses this step];
+    attn_backend builds the attention metadata its path reads."""
     num_reqs = len(scheduled)
     counts = [s.num_scheduled_tokens for s in scheduled]
     starts = [s.num_computed_tokens for s in scheduled]
@@ -60,14 +54,9 @@ def build_model_input(
 
     input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long)
     row_offset_list = row_offsets.tolist()
-    if paged_kernel:  # one call takes every token: no groups, spans or masks to build
-        query_start_loc = torch.cat([row_offsets, torch.tensor([num_tokens])])
-        kernel = PagedKernelInput(block_tables, query_start_loc, torch.tensor(seq_lens))
-        attn_metadata = AttentionMetadata(slot_mapping.to(device), [], [], kernel)
-    else:
-        attn_metadata = _pytorch_metadata(
-            slot_mapping, counts, starts, seq_lens, row_offset_list, block_tables, block_size, device, dtype
-        )
+    attn_metadata = attn_backend.build_metadata(
+        slot_mapping, counts, starts, seq_lens, row_offsets, block_tables, block_size, device
+    )
     sampled_idx = [i for i in range(num_reqs) if scheduled[i].do_sample]
     logits_indices = torch.tensor([row_offset_list[i] + counts[i] - 1 for i in sampled_idx], dtype=torch.long)
 
@@ -83,84 +72,4 @@ def build_model_input(
             if s.sampling_params.prompt_logprobs is not None
             and s.num_computed_tokens < len(s.prompt_token_ids) - 1
         ],
-    )
-
-
-def _pytorch_metadata(
-    slot_mapping: torch.Tensor,
-    counts: list[int],
-    starts: list[int],
-    seq_lens: list[int],
-    row_offsets: list[int],
-    block_tables: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> AttentionMetadata:
-    """Decode batches grouped by length and one span per prefill chunk, for the PyTorch path."""
-    decode_reqs = [i for i in range(len(counts)) if counts[i] == 1]
-    decode_batches = [
-        _decode_batch(group, row_offsets, seq_lens, block_tables, block_size, device)
-        for group in _group_by_length(decode_reqs, seq_lens)
-    ]
-    prefills = [
-        _prefill_span(i, row_offsets[i], counts[i], starts[i], block_tables, block_size, device, dtype)
-        for i in range(len(counts))
-        if counts[i] > 1
-    ]
-    return AttentionMetadata(slot_mapping.to(device), decode_batches, prefills)
-
-
-def _group_by_length(req_indices: list[int], seq_lens: list[int]) -> list[list[int]]:
-    groups: list[list[int]] = []
-    for i in sorted(req_indices, key=seq_lens.__getitem__):
-        if groups and seq_lens[i] <= 2 * seq_lens[groups[-1][0]]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _decode_batch(
-    group: list[int],
-    row_offsets: list[int],
-    seq_lens: list[int],
-    block_tables: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-) -> DecodeBatch:
-    group_seq_lens = torch.tensor([seq_lens[i] for i in group])
-    num_blocks = -(-int(group_seq_lens.max()) // block_size)
-    tables = block_tables[torch.tensor(group), :num_blocks]
-    key_positions = torch.arange(num_blocks * block_size)
-    mask = (key_positions[None, :] < group_seq_lens[:, None])[:, None, None, :]
-    return DecodeBatch(
-        token_indices=torch.tensor([row_offsets[i] for i in group], dtype=torch.long).to(device),
-        block_tables=tables.to(device),
-        seq_lens=group_seq_lens.to(device),
-        attend_mask=mask.to(device),
-    )
-
-
-def _prefill_span(
-    req: int,
-    row_offset: int,
-    count: int,
-    start: int,
-    block_tables: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> PrefillSpan:
-    if start == 0:
-        return PrefillSpan(row_offset, row_offset + count, 0, None, None)
-    seq_len = start + count
-    num_blocks = -(-seq_len // block_size)
-    query_positions = torch.arange(start, seq_len)
-    visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # [chunk, seq_len]
-    # additive, in the model's dtype: SDPA adds it as it is, where a boolean mask would be
-    # converted again in every layer
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return PrefillSpan(
-        row_offset, row_offset + count, start, block_tables[req, :num_blocks].to(device), mask.to(device)
     )

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from pagedllm.attention.backend import AttentionBackend, select_backend
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.kernels import cpu_ops
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.structured_output.bitmask import apply_bitmask
@@ -52,8 +52,9 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.requests = RequestTable(max_num_reqs, -(-max_model_len // block_size))
         # attention in the CPU kernel, else in PyTorch ops: decided once, from the model and cache
-        dtype = model.embed_tokens.weight.dtype
-        self.paged_kernel = cpu_ops.serves(device, dtype, kv_caches[0][0].dtype, model.config.head_dim)
+        self.attn_backend: AttentionBackend = select_backend(
+            device, model.embed_tokens.weight.dtype, kv_caches[0][0].dtype, model.config.head_dim
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -67,8 +68,7 @@ class ModelRunner:
             self.requests.block_tables(batch, num_blocks),
             self.block_size,
             self.device,
-            self.model.embed_tokens.weight.dtype,
-            self.paged_kernel,
+            self.attn_backend,
         )
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata

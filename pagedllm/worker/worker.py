@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.attention.backend import CpuKernelBackend
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.distributed.parallel_state import TPGroup
@@ -118,8 +119,8 @@ class Worker:
             max_model_len=plan.max_model_len,
             samples=self.tp is None or self.tp.is_driver,
         )
-        if self.runner.paged_kernel:
-            logger.info("Attention: C++ kernel reading the paged KV cache in place (decodes and prefills)")
+        if isinstance(self.runner.attn_backend, CpuKernelBackend):
+            logger.info("Attention: %s", self.runner.attn_backend.name)
 
     def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
         """Ranks that do not sample: the tokens rank 0 sampled last step, before this step's input."""
