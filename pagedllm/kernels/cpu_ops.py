@@ -7,8 +7,10 @@ CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by defa
 ~/.cache/torch_extensions). The library is named after everything that decides its bits: the
 CPU's instruction sets, the sources and headers, the flags, torch and Python. Two checkouts or
 virtualenvs on one machine therefore never overwrite each other's build (each would rebuild at
-every start otherwise), and identical trees share one. A build is announced with its time, since
-it takes about a minute. `make setup` builds it once, so the first server start does not wait.
+every start otherwise), and identical trees share one (compiled from a copy of the sources in
+the build folder, so their own paths do not differ in ninja's commands). A build is announced
+with its time, since it takes about a minute. `make setup` builds it once, so the first server
+start does not wait.
 Where it cannot be built (no compiler), attention keeps the PyTorch path (gather + SDPA), with
 a warning.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import sys
 import time
@@ -62,14 +65,36 @@ def build_name() -> str:
     return f"pagedllm_cpu_{digest.hexdigest()[:16]}"
 
 
-def _is_cached(name: str) -> bool:
+def _build_folder(name: str) -> Path | None:
     from torch.utils import cpp_extension
 
     try:  # torch's own rule for the folder (TORCH_EXTENSIONS_DIR, else its cache); private API
-        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
     except (AttributeError, OSError):
-        return False  # then a load may be announced as a build: only the log line is wrong
-    return (folder / f"{name}.so").exists()
+        return None
+
+
+def _is_cached(name: str) -> bool:
+    folder = _build_folder(name)
+    # without the folder a load may be announced as a build: only the log line is wrong
+    return folder is not None and (folder / f"{name}.so").exists()
+
+
+def _staged_sources(name: str) -> list[Path]:
+    """The sources as compiled: copied into the build folder (once; the name vouches for their
+    contents), so every tree with these sources gives ninja the same commands. With each tree's
+    own paths in them, two checkouts sharing the name rebuilt over each other at each start."""
+    folder = _build_folder(name)
+    if folder is None:
+        return _SOURCES
+    staged = folder / "src"
+    staged.mkdir(exist_ok=True)
+    for path in _CSRC.iterdir():
+        if path.suffix in (".cpp", ".h") and not (staged / path.name).exists():
+            partial = staged / f".{path.name}.{os.getpid()}"  # whole or absent, with processes racing
+            partial.write_bytes(path.read_bytes())
+            os.replace(partial, staged / path.name)
+    return [staged / source.name for source in _SOURCES]
 
 
 @functools.cache
@@ -87,7 +112,7 @@ def is_built() -> bool:
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(source) for source in _SOURCES],
+            sources=[str(source) for source in _staged_sources(name)],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
             is_python_module=False,
