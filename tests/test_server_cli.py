@@ -28,7 +28,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import chat
 from pagedllm.entrypoints.cli.generate import reply_text
 from pagedllm.entrypoints.cli.main import COMMANDS, build_parser, main
-from pagedllm.entrypoints.openai import api_server
+from pagedllm.entrypoints.openai import server_config
 from pagedllm.model.loader import default_model_path
 
 from .helpers import RemoteServer, die_with_parent, server_engine_args
@@ -55,7 +55,7 @@ def test_serve_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in SERVER_FLAGS + ENGINE_FLAGS:
         assert flag in text, flag
-    parser = api_server.make_arg_parser()
+    parser = server_config.make_arg_parser()
     for action in parser._actions:
         assert action.help, action.option_strings
     assert {flag for a in parser._actions for flag in a.option_strings} >= set(SERVER_FLAGS + ENGINE_FLAGS)
@@ -81,9 +81,9 @@ def test_serve_takes_the_model_as_argument_or_flag(monkeypatch):
 
 
 def test_api_key_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(api_server.API_KEY_ENV, "from-env")
-    assert api_server.make_arg_parser().parse_args([]).api_key == "from-env"
-    assert api_server.make_arg_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.setenv(server_config.API_KEY_ENV, "from-env")
+    assert server_config.make_arg_parser().parse_args([]).api_key == "from-env"
+    assert server_config.make_arg_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
 
 
 @pytest.mark.slow

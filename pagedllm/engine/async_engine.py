@@ -45,7 +45,14 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.compile_pool import GrammarCompilePool, PoolClosedError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import xgrammar
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.core.block_pool import BlockPool
+    from pagedllm.metrics.divergence import DivergenceGroup
+    from pagedllm.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +153,59 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- what the server reads ---------------------------------------------------------------
+    # Model facts and the config are fixed once the engine is built: any thread reads them. The
+    # block pool and block tables change with every step: only the engine thread reads them.
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's config, max_model_len resolved."""
+        return self.engine.config
+
+    @property
+    def model_name(self) -> str:
+        """The model's display name, e.g. SmolLM2-135M-Instruct."""
+        return self.engine.model_name
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def tokenizer_folder(self) -> Path:
+        return self.engine.tokenizer_folder
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.kv_cache_plan.num_blocks
+
+    async def divergence_report(self) -> list[DivergenceGroup] | None:
+        """Where prompts stop sharing a prefix (GET /stats); None without the divergence finder.
+        Runs on a worker thread (the finder has its own lock): analysing new prompts holds up
+        neither the event loop nor a step."""
+        divergence = self.engine.divergence
+        if divergence is None:
+            return None
+        return await asyncio.to_thread(divergence.report)
+
+    async def read_block_pool(self, fn: Callable[[BlockPool], T]) -> T:
+        """`fn(block pool)` on the engine thread, between two steps (the dashboard's block map)."""
+        return await self.call(lambda engine: fn(engine.kv_cache_manager.block_pool))
+
+    async def read_block_tables(
+        self, fn: Callable[[BlockPool, list[tuple[str, str | None, list[int]]]], T]
+    ) -> T:
+        """`fn(block pool, LLMEngine.block_tables())` on the engine thread, between two steps."""
+        return await self.call(lambda engine: fn(engine.kv_cache_manager.block_pool, engine.block_tables()))
 
     @classmethod
     def launch(cls, make_engine: Callable[[], LLMEngine], **kwargs: Any) -> AsyncLLM:

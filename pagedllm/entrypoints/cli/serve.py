@@ -1,11 +1,13 @@
-"""`pagedllm serve [MODEL]`: the OpenAI-compatible server, with the api_server module's own flags."""
+"""`pagedllm serve [MODEL]`: the OpenAI-compatible server, with the api_server module's own flags
+(server_config.py)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 
-from pagedllm.entrypoints.openai.api_server import add_server_args, check_server_args, run_server
+from pagedllm.entrypoints.openai.api_server import run_server
+from pagedllm.entrypoints.openai.server_config import add_server_args, check_server_args
 
 
 def register(subparsers) -> None:

@@ -24,9 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     ChatMessageOut,
     ChatStreamChoice,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     FunctionCall,
     TokenLogprob,
     ToolCall,
@@ -50,11 +48,11 @@ from pagedllm.entrypoints.openai.serving_common import (
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.entrypoints.openai.tools import (
     ToolPlan,
+    ToolStream,
     calls_from_output,
     conversation_for_template,
     new_call_id,
     plan_tools,
-    required_calls,
     template_uses_tools,
 )
 from pagedllm.outputs import RequestOutput
@@ -186,7 +184,7 @@ class ServingChat:
         continuous = options is not None and options.continuous_usage_stats
         tracker = DeltaTracker(len(stream.req_ids))
         latest: dict[int, RequestOutput] = {}
-        tool_streams = [_ToolStream(plan) for _ in stream.req_ids]
+        tool_streams = [ToolStream(plan) for _ in stream.req_ids]
 
         def chunk(choice: ChatStreamChoice, output: RequestOutput | None = None) -> str:
             return sse(
@@ -331,52 +329,6 @@ def _finish_reason(reason: str | None, plan: ToolPlan | None, has_calls: bool) -
     if reason == "stop" and has_calls and plan is not None and plan.mode in ("auto", "required"):
         return "tool_calls"
     return reason
-
-
-class _ToolStream:
-    """One streamed choice's text -> content deltas and tool call deltas. Named: the output is the
-    call's arguments, streamed as they come; required: calls at the end (the JSON list must be
-    whole); auto: the parser holds back a possible call until its closing tag."""
-
-    def __init__(self, plan: ToolPlan | None) -> None:
-        self.plan = plan if plan is not None and plan.mode != "none" else None
-        self.parser = self.plan.parser() if self.plan is not None else None
-        self.num_calls = 0
-        self._text = ""
-
-    def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
-        if self.plan is None:
-            return text, []
-        if self.plan.mode == "named":
-            calls = []
-            if self.num_calls == 0 and (text or finished):
-                calls.append(self._header(self.plan.function or "", text))
-            elif text:
-                calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
-            return "", calls
-        if self.plan.mode == "required":
-            self._text += text
-            if not finished:
-                return "", []
-            return "", [self._header(call.name, call.arguments) for call in required_calls(self._text)]
-        if self.parser is None:
-            return text, []
-        content, parsed = self.parser.feed(text)
-        if finished:
-            rest, last = self.parser.finish()
-            content, parsed = content + rest, parsed + last
-        return content, [self._header(call.name, call.arguments) for call in parsed]
-
-    def _header(self, name: str, arguments: str) -> DeltaToolCall:
-        """A call's first delta: its index, id, type and name, with the arguments so far."""
-        call = DeltaToolCall(
-            index=self.num_calls,
-            id=new_call_id(),
-            type="function",
-            function=DeltaFunctionCall(name=name, arguments=arguments),
-        )
-        self.num_calls += 1
-        return call
 
 
 def _logprobs(output: RequestOutput, start: int, end: int, num_top: int | None) -> ChatLogprobs | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import quoted
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall
 from pagedllm.entrypoints.openai.tool_parsers import ParsedToolCall, ToolCallParser, make_parser
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -171,6 +171,52 @@ def required_calls(text: str) -> list[ParsedToolCall]:
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolStream:
+    """One streamed choice's text -> content deltas and tool call deltas. Named: the output is the
+    call's arguments, streamed as they come; required: calls at the end (the JSON list must be
+    whole); auto: the parser holds back a possible call until its closing tag."""
+
+    def __init__(self, plan: ToolPlan | None) -> None:
+        self.plan = plan if plan is not None and plan.mode != "none" else None
+        self.parser = self.plan.parser() if self.plan is not None else None
+        self.num_calls = 0
+        self._text = ""
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        if self.plan is None:
+            return text, []
+        if self.plan.mode == "named":
+            calls = []
+            if self.num_calls == 0 and (text or finished):
+                calls.append(self._header(self.plan.function or "", text))
+            elif text:
+                calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
+            return "", calls
+        if self.plan.mode == "required":
+            self._text += text
+            if not finished:
+                return "", []
+            return "", [self._header(call.name, call.arguments) for call in required_calls(self._text)]
+        if self.parser is None:
+            return text, []
+        content, parsed = self.parser.feed(text)
+        if finished:
+            rest, last = self.parser.finish()
+            content, parsed = content + rest, parsed + last
+        return content, [self._header(call.name, call.arguments) for call in parsed]
+
+    def _header(self, name: str, arguments: str) -> DeltaToolCall:
+        """A call's first delta: its index, id, type and name, with the arguments so far."""
+        call = DeltaToolCall(
+            index=self.num_calls,
+            id=new_call_id(),
+            type="function",
+            function=DeltaFunctionCall(name=name, arguments=arguments),
+        )
+        self.num_calls += 1
+        return call
 
 
 def _call_text(call: dict[str, Any]) -> str:

@@ -1,0 +1,52 @@
+"""The OpenAI routes: GET /v1/models, POST /v1/completions and /v1/chat/completions. The handlers
+live in serving_*.py; here each request's admission is counted as vLLM counts it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+
+from fastapi import APIRouter, Request, Response
+
+from pagedllm.engine.async_engine import QueueFullError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from pagedllm.entrypoints.openai.serving_chat import ServingChat
+from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
+from pagedllm.entrypoints.openai.serving_models import ServedModels
+from pagedllm.metrics.prometheus import PrometheusMetrics
+
+
+def make_router(
+    models: ServedModels, completions: ServingCompletion, chat: ServingChat, metrics: PrometheusMetrics
+) -> APIRouter:
+    router = APIRouter()
+
+    async def admitted(
+        create: Awaitable[Response], n: int, max_tokens: int | None, num_prompts: int = 1
+    ) -> Response:
+        """vLLM's admission metrics: a refusal past --max-queue-len, else the request's parameters."""
+        try:
+            response = await create
+        except QueueFullError:
+            metrics.record_rejection()
+            raise
+        metrics.record_request_params(n, max_tokens, num_prompts)
+        return response
+
+    @router.get("/v1/models")
+    async def list_models() -> ModelList:
+        return models.list()
+
+    @router.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        prompt = body.prompt  # one text or one list of token ids, else a list of them
+        num_prompts = (
+            1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+        )
+        return await admitted(completions.create(body, request), body.n, body.max_tokens, num_prompts)
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await admitted(chat.create(body, request), body.n, max_tokens)
+
+    return router

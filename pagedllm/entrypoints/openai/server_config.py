@@ -1,0 +1,213 @@
+"""The server's own flags: one ServerConfig field each, as EngineConfig's fields are the engine's
+flags (config.py). `add_server_args` adds both groups to one parser, the parser of
+`pagedllm serve` and of `python -m pagedllm.entrypoints.openai.api_server`.
+
+A field's type picks its argparse shape: int and float parse as such, a list takes one or more
+values, a bool that is off by default is a plain switch (`--flag`), any other bool gets its
+`--no-` twin, and a Literal lists its choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from pagedllm import limits
+from pagedllm.config import add_engine_args
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+
+UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def _flag(help_text: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """A field's metadata: its whole --help text (defaults spelled as users read them)."""
+    return {"help": help_text, "argparse": argparse_kwargs}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP server does around the engine; ValueError on a bad value."""
+
+    host: str = field(default="127.0.0.1", metadata=_flag("Address to listen on. (default: 127.0.0.1)"))
+    port: int = field(default=8000, metadata=_flag("Port to listen on; 0 picks a free one. (default: 8000)"))
+    served_model_name: list[str] | None = field(
+        default=None,
+        metadata=_flag(
+            "Model name(s) the API answers to; the first is echoed in responses. "
+            "(default: the model's name, e.g. SmolLM2-135M-Instruct)"
+        ),
+    )
+    api_key: str | None = field(
+        default_factory=lambda: os.environ.get(API_KEY_ENV),
+        metadata=_flag(
+            f"Require `Authorization: Bearer KEY` on every /v1 call. (default: ${API_KEY_ENV}, else none)"
+        ),
+    )
+    max_queue_len: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Most requests waiting for a seat in the batch; past it a request gets 503 with Retry-After. "
+            "(default: no limit)"
+        ),
+    )
+    metrics_prefix: str = field(
+        default="pagedllm",
+        metadata=_flag(
+            "Prefix of the /metrics names; `vllm` gives vLLM's exact names for its dashboards. "
+            "(default: pagedllm)"
+        ),
+    )
+    graceful_shutdown_timeout: int = field(
+        default=30,
+        metadata=_flag(
+            "Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted. "
+            "(default: 30)"
+        ),
+    )
+    max_request_body_bytes: int = field(
+        default=limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metadata=_flag(
+            "Largest request body; a larger one gets 413 before it is read. "
+            f"(default: {limits.DEFAULT_MAX_REQUEST_BODY_BYTES:,})"
+        ),
+    )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata=_flag(
+            "Run chat templates sent by clients (`chat_template`, `chat_template_kwargs.chat_template`). "
+            "A template is code: allow it only for clients you trust. (default: refused with a 400)"
+        ),
+    )
+    chat_template_time_budget: float = field(
+        default=5.0,
+        metadata=_flag(
+            "Seconds a chat template may take to render; past it the request gets a 400. (default: 5)"
+        ),
+    )
+    enable_auto_tool_choice: bool = field(
+        default=True,
+        metadata=_flag(
+            'Serve tool_choice "auto": the model calls tools when it chooses, and --tool-call-parser '
+            'reads the calls out of its text. "required" and a named function are always served '
+            "(a grammar forces the call). (default: on)"
+        ),
+    )
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata=_flag(
+            "How tool calls are written in the model's output: hermes = <tool_call>{...}</tool_call> "
+            "(Hermes, Qwen2.5, SmolLM2). (default: hermes)",
+            choices=sorted(TOOL_CALL_PARSERS),
+        ),
+    )
+    metrics_caller_label: bool | None = field(
+        default=None,
+        metadata=_flag(
+            "Export prefix-cache hits by caller (the request's `user`, at most "
+            f"{limits.MAX_USER_CHARS} characters, 100 names) on /metrics. Turn off when `user` holds "
+            "personal data and /metrics is scraped from outside. (default: on without --api-key, off with it)"
+        ),
+    )
+    truncate_chat_history: bool = field(
+        default=False,
+        metadata=_flag(
+            "A chat too long for max_model_len (after room for max_tokens) loses its oldest turns, "
+            "never its system messages or its last message, instead of getting a 400; usage says how "
+            "many messages and tokens went (dropped_messages, dropped_prompt_tokens). (default: off)"
+        ),
+    )
+    divergence_text: bool = field(
+        default=True,
+        metadata=_flag(
+            "Show the differing text where prompts stop sharing a prefix (GET /stats, /dashboard); "
+            "it is your users' data: --no-divergence-text keeps offsets and counts only. (default: on)"
+        ),
+    )
+    uvicorn_log_level: UvicornLogLevel = field(
+        default="warning",
+        metadata=_flag("uvicorn's own log level; info adds a line per HTTP request. (default: warning)"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ValueError(f"--max-queue-len must be >= 0, got {self.max_queue_len}")
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ValueError(
+                "--metrics-prefix must be a Prometheus name like pagedllm or vllm, "
+                f"got {self.metrics_prefix!r}"
+            )
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be >= 1")
+        if self.chat_template_time_budget <= 0:
+            raise ValueError("--chat-template-time-budget must be > 0")
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The parser of tool_choice "auto"'s calls; None when --no-enable-auto-tool-choice."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+
+# The annotations are strings (from __future__ import annotations): the shapes go by their text.
+_INT_TYPES = {"int", "int | None"}
+_FLOAT_TYPES = {"float", "float | None"}
+_LIST_TYPES = {"list[str]", "list[str] | None"}
+_LITERAL_TYPES = {"UvicornLogLevel": UvicornLogLevel}
+
+
+def _argparse_kwargs(f: dataclasses.Field) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"help": f.metadata["help"], **f.metadata["argparse"]}
+    if f.default_factory is not dataclasses.MISSING:
+        kwargs["default"] = f.default_factory()  # when the parser is made (the environment then)
+    else:
+        kwargs["default"] = f.default
+    if f.type in ("bool", "bool | None"):
+        kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+    elif f.type in _INT_TYPES:
+        kwargs["type"] = int
+    elif f.type in _FLOAT_TYPES:
+        kwargs["type"] = float
+    elif f.type in _LIST_TYPES:
+        kwargs["nargs"] = "+"
+    elif f.type in _LITERAL_TYPES:
+        kwargs["choices"] = list(get_args(_LITERAL_TYPES[f.type]))
+    return kwargs
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Server flags, then every engine flag (vLLM's names): the one parser of both entry points."""
+    group = parser.add_argument_group("server")
+    for f in dataclasses.fields(ServerConfig):
+        group.add_argument("--" + f.name.replace("_", "-"), **_argparse_kwargs(f))
+    add_engine_args(parser)
+    return parser
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    return add_server_args(
+        argparse.ArgumentParser(
+            allow_abbrev=False,
+            prog="python -m pagedllm.entrypoints.openai.api_server",
+            description="OpenAI-compatible server (same flags as `pagedllm serve`).",
+        )
+    )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of parsed flags (the engine's flags are left to engine_config_from_args)."""
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+
+
+def check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with the parser's usage and error on a bad server flag."""
+    try:
+        server_config_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
