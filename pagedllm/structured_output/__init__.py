@@ -1,7 +1,8 @@
 """Structured output: the sampled tokens of a request follow a grammar (JSON schema, regex, EBNF).
 
-    request arrives       backend.compile(params)        off the engine thread; compiled grammars cached
-    LLMEngine.add_request backend.grammar_for(params)    a matcher: this request's place in its grammar
+    request arrives       backend.compile(params)        InputProcessor, off the engine thread (the server:
+                                                         compile_pool's processes); compiled grammars cached
+    LLMEngine.add_request RequestGrammar(compiled)       a matcher: this request's place in its grammar
     Scheduler.schedule    fill_bitmask(requests)         which tokens each constrained row may take next
     ModelRunner           apply_bitmask(logits)          the rest get -inf, before penalties and sampling
     update_from_output    grammar.accept(token)          a finished grammar stops the request

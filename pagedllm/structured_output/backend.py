@@ -81,9 +81,6 @@ class StructuredOutputBackend:
                 self._cache.move_to_end(key)
             return compiled
 
-    def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(self.compile(params))
-
     def put(self, params: StructuredOutputsParams, compiled: xgrammar.CompiledGrammar) -> None:
         """Cache a grammar compiled elsewhere (or refresh one): the next `compile` finds it."""
         key = grammar_key(params)
