@@ -15,12 +15,18 @@ request lives in slot  block_table[p // block_size] * block_size + p % block_siz
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from pagedllm.attention.backend import AttentionBackend
+
+class RunsAttention(Protocol):
+    """What `AttentionMetadata.backend` holds (backend.py's AttentionBackend), as a protocol: the
+    backend builds this metadata, so importing it here would close a circle."""
+
+    def forward(
+        self, layer: Any, qkv: torch.Tensor, rope: Any, kv_cache: Any, metadata: AttentionMetadata
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -62,7 +68,7 @@ class AttentionMetadata:
     decode_batches: list[DecodeBatch]
     prefills: list[PrefillSpan]
     kernel: PagedKernelInput | None = None
-    backend: AttentionBackend | None = None  # None: built by hand (tests) for paged_attention()
+    backend: RunsAttention | None = None  # None: built by hand (tests) for paged_attention()
 
 
 def build_torch_metadata(
