@@ -22,7 +22,7 @@ def test_the_kernel_builds_here():
     assert cpu_ops.is_built()  # CI machines have a compiler: a failed build must not pass silently
 
 
-def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch):
+def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch, request):
     """Two trees with the same sources share one build; a tree whose sources differ (another
     checkout, another branch) gets its own, instead of rebuilding over the other's at each start."""
     import shutil
@@ -31,8 +31,11 @@ def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch):
     shutil.copytree(cpu_ops._CSRC, copy)
     here = cpu_ops.build_name()
     monkeypatch.setattr(cpu_ops, "_CSRC", copy)
+    request.addfinalizer(cpu_ops._source_bytes.cache_clear)  # before monkeypatch puts _CSRC back
+    cpu_ops._source_bytes.cache_clear()  # the sources are read once per process
     assert cpu_ops.build_name() == here
     (copy / "vec_math.h").write_text((copy / "vec_math.h").read_text() + "\n// another tree\n")
+    cpu_ops._source_bytes.cache_clear()
     assert cpu_ops.build_name() != here
 
 

@@ -17,12 +17,14 @@ a warning.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,18 +52,26 @@ _CACHE_DTYPES = {
 _QUERY_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
 
+@functools.cache
+def _source_bytes() -> dict[str, bytes]:
+    """The sources and headers, read once: the name is hashed from these very bytes and the
+    build folder's copy is written from them, so the two cannot disagree."""
+    return {path.name: path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".cpp", ".h")}
+
+
 def build_name() -> str:
     """The library's name: a hash of what decides its bits. The CPU's instruction sets are in it
     because a -march=native build cached on another machine (a shared home, a copied image) could
-    die here on an illegal instruction; the sources, headers and flags because torch's loader
-    rebuilds in place whenever they differ, so two trees sharing a name take turns rebuilding."""
+    die here on an illegal instruction; the sources, headers, flags and torch's install folder
+    (its headers' and libraries' paths are in ninja's commands) because torch's loader rebuilds in
+    place whenever the commands differ, so two trees sharing a name take turns rebuilding."""
     digest = hashlib.sha256()
     features = " ".join(sorted(cpu_flags())) or f"{platform.machine()} {platform.processor()}"
-    for part in (features, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, sys.version):
+    torch_folder = str(Path(torch.__file__).resolve().parent)
+    for part in (features, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, torch_folder, sys.version):
         digest.update(part.encode() + b"\0")
-    for path in sorted(_CSRC.iterdir()):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for file_name, content in _source_bytes().items():
+        digest.update(file_name.encode() + b"\0" + content + b"\0")
     return f"pagedllm_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -89,11 +99,20 @@ def _staged_sources(name: str) -> list[Path]:
         return _SOURCES
     staged = folder / "src"
     staged.mkdir(exist_ok=True)
-    for path in _CSRC.iterdir():
-        if path.suffix in (".cpp", ".h") and not (staged / path.name).exists():
-            partial = staged / f".{path.name}.{os.getpid()}"  # whole or absent, with processes racing
-            partial.write_bytes(path.read_bytes())
-            os.replace(partial, staged / path.name)
+    for file_name, content in _source_bytes().items():
+        target = staged / file_name
+        if target.exists():
+            continue
+        # written under a private name, then linked: whole or absent, and never over another
+        # process's copy (whose older mtime its objects were built against)
+        fd, partial = tempfile.mkstemp(dir=staged, prefix=f".{file_name}.")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(content)
+            with contextlib.suppress(FileExistsError):
+                os.link(partial, target)
+        finally:
+            os.unlink(partial)
     return [staged / source.name for source in _SOURCES]
 
 
