@@ -42,6 +42,8 @@ MAX_CACHED_GRAMMAR_BYTES = 256 * 1024**2
 """Compiled grammars kept for reuse, all together (the least recently used go first)."""
 MAX_JSON_DEPTH = 64
 """Deepest nesting of lists and objects in a request body."""
+TOO_DEEP = f"body: nested deeper than {MAX_JSON_DEPTH} levels"
+"""What the server and the router answer past it, whoever notices (this walk or json's recursion)."""
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024**2
 """--max-request-body-bytes: far above any prompt max_model_len allows, far below what hurts."""
 
@@ -56,7 +58,7 @@ def check_text_and_depth(body: dict) -> None:
     while stack:
         value, path = stack.pop()
         if len(path) > MAX_JSON_DEPTH:
-            raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels")
+            raise ValueError(TOO_DEEP)
         if isinstance(value, str):
             if not is_valid_text(value):
                 where = ".".join(path) or "body"

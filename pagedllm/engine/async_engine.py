@@ -285,13 +285,13 @@ class AsyncLLM:
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._compile_grammar(params.structured_outputs)
-        # choice i*n + j: prompt i, params.per_sequence()[j]
+        children = params.per_sequence()  # choice i*n + j: prompt i, children[j]
         requests = [
             dataclasses.replace(
                 request, req_id=f"{request_id}-{i * params.n + j}", sampling_params=child, grammar=grammar
             )
             for i, request in enumerate(processed)
-            for j, child in enumerate(params.per_sequence())
+            for j, child in enumerate(children)
         ]
         req_ids = [request.req_id for request in requests]
         stream = RequestStream(self, req_ids)

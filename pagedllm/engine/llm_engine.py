@@ -333,7 +333,9 @@ class LLMEngine:
             key,
             self.worker.runner.kv_caches,
             # one longest request's prefix in memory between its read and its load
-            max_staged_blocks=min(self.kv_cache_plan.num_blocks, -(-self.max_model_len // spec.block_size)),
+            max_staged_blocks=min(
+                self.kv_cache_plan.num_blocks, spec.blocks_per_sequence(self.max_model_len)
+            ),
         )
         store.start()
         return store

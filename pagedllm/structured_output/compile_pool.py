@@ -67,7 +67,7 @@ class GrammarCompilePool:
             run.add_done_callback(_retrieve)  # its error is the caller's, who may have gone
             compiled_json = await asyncio.shield(run)  # a caller that goes leaves it to end in time
             compiled = await asyncio.to_thread(self._backend.deserialize, compiled_json)
-        self._backend.put(params, compiled)
+            self._backend.put(params, compiled)
         return compiled
 
     def close(self) -> None:
@@ -159,6 +159,7 @@ class _Worker:
             raise
         if status != compile_worker.READY:
             worker.kill()
+            running.discard(worker)
             raise RuntimeError(f"the grammar compile process answered {status!r} instead of READY")
         logger.debug("Started grammar compile process %d", process.pid)
         return worker

@@ -103,6 +103,8 @@ class DiskKVStore:
         self.directory = self.root / fingerprint_hex
         self.max_bytes = max_bytes
         self.kv_caches = kv_caches
+        first = kv_caches[0][0][0]
+        self._block_nbytes = first.numel() * first.element_size() * sum(len(layer) for layer in kv_caches)
         self.max_staged_blocks = max_staged_blocks
         """Most blocks held in memory between their read and their load (one stage()'s worth)."""
         self.read_only = False
@@ -243,11 +245,6 @@ class DiskKVStore:
         for index, tensor in enumerate(t for layer in self.kv_caches for t in layer):
             tensor[block_id].copy_(data[index])
 
-    @property
-    def _block_nbytes(self) -> int:
-        first = self.kv_caches[0][0][0]
-        return first.numel() * first.element_size() * sum(len(layer) for layer in self.kv_caches)
-
     # ---- files: start-up ---------------------------------------------------------------------
 
     def _open_directory(self) -> None:
@@ -286,6 +283,7 @@ class DiskKVStore:
                 for entry in scan:
                     if entry.name.endswith(".tmp") and not self.read_only:
                         self._unlink(Path(entry.path))
+                        continue
                     with contextlib.suppress(OSError, ValueError):
                         info = entry.stat(follow_symlinks=False)
                         if entry.name.endswith(".kv") and stat.S_ISREG(info.st_mode):
@@ -372,7 +370,7 @@ class DiskKVStore:
     def _check(self, raw: bytearray, block_hash: bytes) -> memoryview | None:
         header = self._header(block_hash)
         body = memoryview(raw)[len(header) + 4 :]
-        if raw[: len(header)] != header or len(body) != self._block_nbytes:
+        if raw[: len(header)] != header:  # its length is a block file's: read so
             return None
         if zlib.crc32(body) != int.from_bytes(raw[len(header) : len(header) + 4], "little"):
             return None
@@ -389,7 +387,6 @@ class DiskKVStore:
             "ignored" if self.read_only else "deleted",
         )
         self._forget(block_hash, delete=not self.read_only)
-        return None
 
     # ---- files: the writer thread --------------------------------------------------------------
 

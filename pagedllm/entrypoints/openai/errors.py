@@ -146,7 +146,7 @@ def install_error_handlers(app: FastAPI) -> None:
             # FastAPI's "There was an error parsing the body": say what was wrong with it
             detail = f"the body is not valid JSON in UTF-8 ({type(error.__cause__).__name__})"
             if isinstance(error.__cause__, RecursionError):  # as limits.check_text_and_depth says it
-                detail = f"body: nested deeper than {limits.MAX_JSON_DEPTH} levels"
+                detail = limits.TOO_DEEP
         return error_response(http_error(error.status_code, str(detail)))
 
     async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:

@@ -149,7 +149,7 @@ def _parse(body: bytes) -> object:
     try:
         parsed = json.loads(body)
     except RecursionError:
-        deep = ValueError(f"body: nested deeper than {limits.MAX_JSON_DEPTH} levels")
+        deep = ValueError(limits.TOO_DEEP)
         raise invalid_request(deep) from None
     except ValueError:
         return None
