@@ -313,8 +313,17 @@ def test_chat_in_a_terminal_ctrl_c_stops_the_reply_and_the_console_stays_clean()
         "400",
         "--ignore-eos",
     ]
+    # the kernels built where this process keeps them: with HOME moved, torch would look under the
+    # new HOME and build them again, and that build's two lines are meant to show
+    from torch.utils import cpp_extension
+
+    from pagedllm.kernels import cpu_ops
+
+    cpu_ops.is_built()
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     pid, fd = pty.fork()
     if pid == 0:  # the child: `pagedllm chat` on a terminal, where Ctrl-C sends it SIGINT
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions
         os.environ["HOME"] = "/nonexistent"  # no readline history written
         os.execv(sys.executable, argv)
     seen: list[str] = []
