@@ -315,12 +315,12 @@ def test_chat_in_a_terminal_ctrl_c_stops_the_reply_and_the_console_stays_clean()
     ]
     # the kernels built where this process keeps them: with HOME moved, torch would look under the
     # new HOME and build them again, and that build's two lines are meant to show
-    from torch.utils import cpp_extension
-
     from pagedllm.kernels import cpu_ops
 
     cpu_ops.is_built()
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_folder = cpu_ops._build_folder(cpu_ops.build_name())
+    assert build_folder is not None
+    extensions = str(build_folder.parent)  # as given, torch adds no py3XX_cpu folder under it
     pid, fd = pty.fork()
     if pid == 0:  # the child: `pagedllm chat` on a terminal, where Ctrl-C sends it SIGINT
         os.environ["TORCH_EXTENSIONS_DIR"] = extensions
