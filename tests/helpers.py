@@ -160,13 +160,22 @@ def make_request(
     )
 
 
-def fake_run(output: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
-    return ModelRunnerOutput({s.req_id: token for s in output.scheduled if s.do_sample})
+def fake_run(scheduler: Scheduler, output: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
+    """What a runner returns for this step: `token` for each request whose share reaches its
+    last known token (before update_from_output moves the scheduler's counts on)."""
+    requests = scheduler.requests
+    return ModelRunnerOutput(
+        {
+            req_id: token
+            for req_id, num_new in output.num_scheduled_tokens.items()
+            if requests[req_id].num_computed_tokens + num_new == requests[req_id].num_tokens
+        }
+    )
 
 
 def step(scheduler: Scheduler, token: int = 5):
     output = scheduler.schedule()
-    return output, scheduler.update_from_output(output, fake_run(output, token))
+    return output, scheduler.update_from_output(output, fake_run(scheduler, output, token))
 
 
 # ---- prompts and schemas -------------------------------------------------------------------------

@@ -240,9 +240,9 @@ def test_lpm_prefers_a_cached_prefix_without_starving_the_head():
     scheduler.add_request(make_request("cold", list(range(100, 113)), max_tokens=1))
     scheduler.add_request(make_request("hot", [*shared, 60], max_tokens=1))
     output, _ = step(scheduler)
-    assert [s.req_id for s in output.scheduled] == ["hot"]
+    assert list(output.num_scheduled_tokens) == ["hot"]
     output, _ = step(scheduler)
-    assert [s.req_id for s in output.scheduled] == ["cold"]
+    assert list(output.num_scheduled_tokens) == ["cold"]
 
 
 class CachingSchedulerMachine(RuleBasedStateMachine):
@@ -286,10 +286,10 @@ class CachingSchedulerMachine(RuleBasedStateMachine):
     def step_where_one_request_fails(self, data):
         """The runner reports one scheduled request's own work failed (its sampling, say)."""
         output = self.scheduler.schedule()
-        if not output.scheduled:
+        if not output.num_scheduled_tokens:
             return
-        failed = data.draw(st.sampled_from([s.req_id for s in output.scheduled]))
-        runner_output = fake_run(output, 2)
+        failed = data.draw(st.sampled_from(list(output.num_scheduled_tokens)))
+        runner_output = fake_run(self.scheduler, output, 2)
         runner_output.sampled_token_ids.pop(failed, None)
         runner_output.failed[failed] = "RuntimeError: injected"
         outputs = self.scheduler.update_from_output(output, runner_output)

@@ -7,25 +7,33 @@ import math
 import torch
 
 from pagedllm import SamplingParams
+from pagedllm.core.outputs import NewRequestData, SchedulerOutput
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, apply_penalties
-from pagedllm.worker.request_table import CachedRequestState, StepRequest, sampling_metadata
+from pagedllm.worker.input_batch import InputBatch
 
 
-def request(req_id="r", prompt=(1, 2), output=(), eos=frozenset({0}), **params) -> StepRequest:
-    state = CachedRequestState(
+def request(req_id="r", prompt=(1, 2), output=(), eos=frozenset({0}), **params) -> NewRequestData:
+    return NewRequestData(
         req_id=req_id,
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
         sampling_params=SamplingParams(**params),
         eos_token_ids=eos,
+        block_ids=[],
         num_computed_tokens=len(prompt) + len(output) - 1,
-        row=0,
     )
-    return StepRequest(state, num_scheduled_tokens=1, do_sample=True)
+
+
+def metadata(reqs: list[NewRequestData], vocab_size: int) -> SamplingMetadata:
+    """What the runner's input batch gives the sampler for these requests, in this order."""
+    batch = InputBatch(len(reqs), 16, 1, vocab_size, torch.device("cpu"))
+    batch.update(SchedulerOutput(new_requests=reqs))
+    return batch.sampling_metadata([batch.row_of[req.req_id] for req in reqs])
 
 
 def sample(logits, reqs, seed=0):
-    return Sampler(torch.device("cpu"), seed)(logits, sampling_metadata(reqs))
+    return Sampler(torch.device("cpu"), seed)(logits, metadata(reqs, logits.shape[1]))
 
 
 def test_greedy_is_argmax():
@@ -92,7 +100,9 @@ def test_penalties_match_vllm_formulas():
     req = request(
         prompt=(3,), output=(0, 0, 1), repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
     )
-    out = apply_penalties(logits, sampling_metadata([req]))[0].tolist()
+    penalties = metadata([req], logits.shape[1]).penalties
+    assert penalties is not None
+    out = apply_penalties(logits, penalties)[0].tolist()
     # token 0: seen, positive -> /2, then -0.5*2 (freq) -0.25 (presence)
     # token 1: seen, negative -> *2, then -0.5*1 -0.25; token 2: unseen; token 3: in prompt -> /2
     assert out == [2.0 / 2 - 1.0 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 1.0 / 2]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.request import RequestStatus
-from pagedllm.worker.request_table import RequestTable
+from pagedllm.worker.input_batch import InputBatch
 
 from .helpers import EOS, fake_run, make_request, make_scheduler, step
 
@@ -17,7 +18,7 @@ def test_waiting_requests_are_admitted_in_arrival_order_up_to_the_seats():
     for name in "abc":
         scheduler.add_request(make_request(name, 4))
     output, _ = step(scheduler)
-    assert [s.req_id for s in output.scheduled] == ["a", "b"]
+    assert list(output.num_scheduled_tokens) == ["a", "b"]
     assert list(scheduler.waiting) == ["c"]
 
 
@@ -29,10 +30,10 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     chunks = []
     while scheduler.requests["long"].num_output_tokens == 0:
         output, _ = step(scheduler)
-        by_id = {s.req_id: s.num_scheduled_tokens for s in output.scheduled}
+        by_id = output.num_scheduled_tokens
         assert by_id["short"] == 1, "the decode must get its token every step"
         chunks.append(by_id["long"])
-        assert output.num_scheduled_tokens <= 16
+        assert output.total_num_scheduled_tokens <= 16
     assert chunks == [15, 15, 10]
 
 
@@ -115,8 +116,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.counter = 0
         self.finished: set[str] = set()
-        # the runner's side of the seam: its table must always agree with the scheduler's requests
-        self.table = RequestTable(max_num_seqs, -(-self.max_len // block_size))
+        # the runner's side of the seam: its batch must always agree with the scheduler's requests
+        self.batch = InputBatch(
+            max_num_seqs, self.max_len, -(-self.max_len // block_size), 10, torch.device("cpu")
+        )
 
     @rule(num_prompt=st.integers(1, 30), max_tokens=st.integers(1, 12))
     def add(self, num_prompt, max_tokens):
@@ -129,38 +132,39 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, token):
         running_before = list(self.scheduler.running)
         output = self.scheduler.schedule()
-        self.check_the_runner_table_agrees(output)
-        runner_output = fake_run(output, token)
-        for step_request in self.batch:
-            if step_request.req_id in runner_output.sampled_token_ids:  # the runner records its samples
-                step_request.state.output_token_ids.append(token)
+        self.check_the_runner_batch_agrees(output)
+        runner_output = fake_run(self.scheduler, output, token)
+        sampled_rows = [self.batch.row_of[req_id] for req_id in runner_output.sampled_token_ids]
+        if sampled_rows:  # the runner records its samples
+            self.batch.append_tokens(sampled_rows, [token] * len(sampled_rows))
         outputs = self.scheduler.update_from_output(output, runner_output)
-        assert output.num_scheduled_tokens <= self.scheduler.config.token_budget
-        scheduled = {s.req_id for s in output.scheduled}
+        assert output.total_num_scheduled_tokens <= self.scheduler.config.token_budget
         if not output.preempted_req_ids:
             for request in running_before:
-                assert request.req_id in scheduled, "a running request was skipped without preemption"
-        for item in output.scheduled:
-            assert item.num_scheduled_tokens >= 1
+                assert request.req_id in output.num_scheduled_tokens, (
+                    "a running request was skipped without preemption"
+                )
+        assert all(n >= 1 for n in output.num_scheduled_tokens.values())
         self.finished |= {o.req_id for o in outputs if o.finish_reason}
 
-    def check_the_runner_table_agrees(self, output) -> None:
-        """Sent only deltas, the runner's table computes the tokens and reads the blocks the
+    def check_the_runner_batch_agrees(self, output) -> None:
+        """Sent only deltas, the runner's input batch holds the tokens and the blocks the
         scheduler's own requests say (through preemptions, resumes and aborts)."""
-        self.batch = self.table.update(output)
+        self.batch.update(output)
         manager = self.scheduler.kv_cache_manager
-        for step_request in self.batch:
-            request = self.scheduler.requests[step_request.req_id]
-            start = step_request.num_computed_tokens
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            row = self.batch.row_of[req_id]
+            start = int(self.batch.num_computed_tokens[row])
             assert start == request.num_computed_tokens
+            assert int(self.batch.num_tokens[row]) == request.num_tokens
             assert (
-                step_request.token_ids
-                == request.all_token_ids[start : start + step_request.num_scheduled_tokens]
+                self.batch.token_ids[row, start : start + num_new].tolist()
+                == (request.all_token_ids[start : start + num_new])
             )
             block_ids = manager.get_block_ids(request.req_id)
-            row = self.table.block_tables([step_request], len(block_ids))[0].tolist()
-            assert row == block_ids
-        assert set(self.table.requests) == {r.req_id for r in self.scheduler.running}
+            assert self.batch.block_table[row, : len(block_ids)].tolist() == block_ids
+        assert set(self.batch.row_of) == {r.req_id for r in self.scheduler.running}
 
     @precondition(lambda self: self.scheduler.has_unfinished_requests())
     @rule(data=st.data())

@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass(frozen=True)
 class NewRequestData:
     """A request the runner does not hold: scheduled for the first time, or again after a
-    preemption gave its blocks back. Everything the runner keeps in its request table; from then
-    on each step sends only what changed (CachedRequestData). The lists are the request's own:
-    read only, except output_token_ids, a copy."""
+    preemption gave its blocks back. Everything the runner keeps in its input batch; from then
+    on each step sends only what changed (CachedRequestData). The lists are read only."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -23,41 +21,38 @@ class NewRequestData:
     eos_token_ids: frozenset[int]
     block_ids: list[int]
     num_computed_tokens: int
-    num_scheduled_tokens: int
-    do_sample: bool
-    """This step reaches the request's last known token: sample the next one."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class CachedRequestData:
-    """A request the runner holds: the blocks it got since its last step, and this step's share."""
+    """The requests the runner holds that this step schedules again, one column per field (a
+    struct of arrays, as vLLM's): the blocks each got since its last step, and its computed count."""
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    do_sample: bool
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
 
-
-ScheduledRequest = NewRequestData | CachedRequestData
+    def append(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass
 class SchedulerOutput:
-    """One step, in ids and counts: the requests to compute, in batch order."""
+    """One step, in ids and counts: a delta to the runner's input batch (new requests whole,
+    held ones by what changed) and each scheduled request's share of the step. A request samples
+    its next token when its share reaches its last known token; the runner knows its counts."""
 
-    scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """Request id -> its tokens this step, in batch order (the model's rows follow it)."""
+    total_num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
-    """Requests whose blocks a preemption took this step; the runner drops their state too."""
+    """Requests whose blocks a preemption took this step; the runner drops their rows too."""
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step; the runner drops their state."""
-    grammar_bitmask: GrammarBitmask | None = None
-    """Which tokens the constrained requests sampling this step may take (structured output)."""
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(frozen=True)

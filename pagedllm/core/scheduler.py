@@ -22,18 +22,11 @@ from collections import OrderedDict
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.outputs import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from pagedllm.request import Request, RequestStatus
-from pagedllm.structured_output.bitmask import fill_bitmask
+from pagedllm.structured_output.bitmask import GrammarBitmask, fill_bitmask
 
 # lpm looks this far down the waiting queue, and lets the head be passed over at most
 # this many times before it is admitted regardless (bounded wait, no starvation).
@@ -115,31 +108,27 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.config.token_budget
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
-        token_budget = self._schedule_running(token_budget, scheduled, preempted)
-        if not preempted:
-            token_budget = self._schedule_waiting(token_budget, scheduled)
-        output = SchedulerOutput(
-            scheduled=scheduled,
-            num_scheduled_tokens=self.config.token_budget - token_budget,
-            preempted_req_ids=[r.req_id for r in preempted],
-            finished_req_ids=self._finished_req_ids,
-            grammar_bitmask=fill_bitmask(
-                [
-                    (s.req_id, grammar)
-                    for s in scheduled
-                    if s.do_sample and (grammar := self.requests[s.req_id].grammar) is not None
-                ]
-            ),
-        )
+        output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
+        preempted: list[Request] = []
+        token_budget = self._schedule_running(self.config.token_budget, output, preempted)
+        if not preempted:
+            token_budget = self._schedule_waiting(token_budget, output)
+        output.total_num_scheduled_tokens = self.config.token_budget - token_budget
+        output.preempted_req_ids = [r.req_id for r in preempted]
         return output
 
-    def _schedule_running(
-        self, token_budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
-    ) -> int:
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """Which tokens the constrained requests that sample this step may take (structured
+        output); None when none is constrained. Goes to the runner beside the step, not in it."""
+        constrained = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.grammar is not None and request.num_computed_tokens + num_new == request.num_tokens:
+                constrained.append((req_id, request.grammar))
+        return fill_bitmask(constrained)
+
+    def _schedule_running(self, token_budget: int, output: SchedulerOutput, preempted: list[Request]) -> int:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
@@ -153,12 +142,12 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     return token_budget
-            scheduled.append(self._scheduled_request(request, num_new))
+            self._add_to_output(output, request, num_new)
             token_budget -= num_new
             index += 1
         return token_budget
 
-    def _schedule_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request, computed_blocks, num_hit_tokens = self._pick_waiting()
             num_new = min(request.num_tokens - num_hit_tokens, token_budget)
@@ -166,7 +155,7 @@ class Scheduler:
                 break  # the pool is full: keep arrival order, try again next step
             del self.waiting[request.req_id]
             self._admit(request, num_hit_tokens, self.kv_cache_manager.take_disk_hits(computed_blocks))
-            scheduled.append(self._scheduled_request(request, num_new))
+            self._add_to_output(output, request, num_new)
             token_budget -= num_new
         return token_budget
 
@@ -222,16 +211,19 @@ class Scheduler:
         self.waiting[request.req_id] = request
         self.waiting.move_to_end(request.req_id, last=False)
 
-    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _add_to_output(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         """The runner gets a request whole once (NewRequestData), then only its new blocks."""
         start = request.num_computed_tokens
-        end = start + num_new
-        self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
+        self.num_prompt_tokens_computed += max(0, min(start + num_new, request.num_prompt_tokens) - start)
         sent = self._num_blocks_sent.get(request.req_id)
         block_ids = self.kv_cache_manager.get_block_ids(request.req_id, first=sent or 0)
         self._num_blocks_sent[request.req_id] = (sent or 0) + len(block_ids)
-        if sent is None:
-            return NewRequestData(
+        output.num_scheduled_tokens[request.req_id] = num_new
+        if sent is not None:
+            output.cached_requests.append(request.req_id, block_ids, start)
+            return
+        output.new_requests.append(
+            NewRequestData(
                 req_id=request.req_id,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
@@ -239,10 +231,8 @@ class Scheduler:
                 eos_token_ids=request.eos_token_ids,
                 block_ids=block_ids,
                 num_computed_tokens=start,
-                num_scheduled_tokens=num_new,
-                do_sample=end == request.num_tokens,
             )
-        return CachedRequestData(request.req_id, block_ids, start, num_new, end == request.num_tokens)
+        )
 
     # ---- after the model ran ---------------------------------------------------------------
 
@@ -254,23 +244,21 @@ class Scheduler:
         now = time.monotonic()
         outputs = []
         any_finished = False
-        for scheduled in scheduler_output.scheduled:
-            request = self.requests.get(scheduled.req_id)
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            error = runner_output.failed.get(scheduled.req_id)
+            error = runner_output.failed.get(req_id)
             if error is not None:
                 outputs.append(self._fail(request, error, now))
                 any_finished = True
                 continue
-            request.num_computed_tokens += scheduled.num_scheduled_tokens
-            prompt_logprobs = self._new_prompt_logprobs(request, scheduled, runner_output)
-            token_id = runner_output.sampled_token_ids.get(scheduled.req_id)
+            prompt_logprobs = self._new_prompt_logprobs(request, runner_output)
+            request.num_computed_tokens += num_new
+            token_id = runner_output.sampled_token_ids.get(req_id)
             if token_id is None:
                 if prompt_logprobs:
-                    outputs.append(
-                        EngineCoreOutput(scheduled.req_id, [], new_prompt_logprobs=prompt_logprobs)
-                    )
+                    outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
             request.append_output_token_id(token_id)
             self.num_generation_tokens += 1
@@ -281,10 +269,8 @@ class Scheduler:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            logprobs = runner_output.logprobs.get(scheduled.req_id)
-            output = EngineCoreOutput(
-                scheduled.req_id, [token_id], [logprobs] if logprobs else [], prompt_logprobs
-            )
+            logprobs = runner_output.logprobs.get(req_id)
+            output = EngineCoreOutput(req_id, [token_id], [logprobs] if logprobs else [], prompt_logprobs)
             status = self._check_stop(request, token_id)
             if status is not None:
                 request.status = status
@@ -304,12 +290,13 @@ class Scheduler:
         return EngineCoreOutput(request.req_id, [], finish_reason=request.status.finish_reason, error=error)
 
     @staticmethod
-    def _new_prompt_logprobs(request: Request, scheduled, runner_output: ModelRunnerOutput) -> list:
-        """Prompt logprobs not reported before (a preempted request scores its prompt again)."""
-        entries = runner_output.prompt_logprobs.get(scheduled.req_id)
+    def _new_prompt_logprobs(request: Request, runner_output: ModelRunnerOutput) -> list:
+        """Prompt logprobs not reported before (a preempted request scores its prompt again).
+        Called before the step's tokens count as computed."""
+        entries = runner_output.prompt_logprobs.get(request.req_id)
         if not entries:
             return []
-        skip = max(0, request.num_prompt_logprobs - scheduled.num_computed_tokens)
+        skip = max(0, request.num_prompt_logprobs - request.num_computed_tokens)
         new = entries[skip:]
         request.num_prompt_logprobs += len(new)
         return new

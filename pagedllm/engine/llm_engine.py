@@ -200,7 +200,8 @@ class LLMEngine:
         if self.kv_offload is not None:
             self._stage_disk_hits()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process(core_outputs)
         if processed.stopped:

@@ -9,6 +9,7 @@ from pathlib import Path
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model.config import ModelConfig
+from pagedllm.structured_output.bitmask import GrammarBitmask
 from pagedllm.worker.kv_cache import KVCachePlan
 from pagedllm.worker.worker import Worker
 
@@ -37,8 +38,10 @@ class Executor(ABC):
         """Load the model on every rank, agree on the KV blocks, allocate them."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank; rank 0's sampled tokens."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """One step on every rank; rank 0's sampled tokens (the bitmask is rank 0's alone)."""
 
     @abstractmethod
     def set_failure_callback(self, on_failure: FailureCallback) -> None:

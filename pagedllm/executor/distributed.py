@@ -10,7 +10,6 @@ is idle, so the server turns unhealthy and exits instead of waiting for a step t
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import threading
 from abc import abstractmethod
@@ -26,6 +25,7 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.executor.abstract import Executor, FailureCallback, WorkerDiedError
 from pagedllm.executor.rank_main import RankSpec, StepInput, make_rank_worker
 from pagedllm.model.config import ModelConfig
+from pagedllm.structured_output.bitmask import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -98,18 +98,15 @@ class DistributedExecutor(Executor):
             "shared memory" if worker.tp.shm is not None else collective,
         )
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
         assert self.driver_worker is not None and self.driver_worker.tp is not None, "start() first"
         if self._failure is not None:
             raise self._failure
-        for_ranks = (
-            dataclasses.replace(scheduler_output, grammar_bitmask=None)
-            if scheduler_output.grammar_bitmask is not None
-            else scheduler_output
-        )
         try:
-            self.driver_worker.tp.broadcast(StepInput(for_ranks, self._last_sampled))
-            output = self.driver_worker.execute_model(scheduler_output)
+            self.driver_worker.tp.broadcast(StepInput(scheduler_output, self._last_sampled))
+            output = self.driver_worker.execute_model(scheduler_output, grammar_bitmask)
         except Exception as error:
             raise self._failure_after(error) from error
         self._last_sampled = output.sampled_token_ids

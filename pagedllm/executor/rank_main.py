@@ -41,8 +41,8 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class StepInput:
-    """A step as ranks 1.. need it: the scheduler's output (without the grammar bitmask: only
-    rank 0 samples) and the tokens rank 0 sampled in the step before, which decodes read."""
+    """A step as ranks 1.. need it: the scheduler's output and the tokens rank 0 sampled in the
+    step before, which decodes read (the grammar bitmask stays with rank 0: only it samples)."""
 
     scheduler_output: SchedulerOutput
     sampled_token_ids: dict[str, int]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, FailureCallback
+from pagedllm.structured_output.bitmask import GrammarBitmask
 from pagedllm.worker.worker import Worker
 
 
@@ -15,9 +16,11 @@ class UniProcExecutor(Executor):
         worker.initialize_cache(self.kv_cache_plan)
         self.driver_worker = worker
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
         assert self.driver_worker is not None, "start() first"
-        return self.driver_worker.execute_model(scheduler_output)
+        return self.driver_worker.execute_model(scheduler_output, grammar_bitmask)
 
     def set_failure_callback(self, on_failure: FailureCallback) -> None:
         """Nothing to watch: the one rank cannot die apart from this process."""

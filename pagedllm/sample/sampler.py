@@ -13,143 +13,96 @@ import torch
 
 from pagedllm.core.outputs import TokenLogprobs
 from pagedllm.kernels.cpu_ops import argmax
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import Penalties, SamplingMetadata
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
-        self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
-
-    def forget(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:
-            self._request_generators.pop(req_id, None)
+        """Draws of the requests without a seed of their own."""
 
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
-        params = metadata.params
-        wants_logprobs = any(p.logprobs is not None for p in params)
+        wants_logprobs = any(k is not None for k in metadata.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
 
-        if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, metadata)
-        if any(p.logit_bias for p in params):
-            logits = _apply_logit_bias(logits, params)
-        logits = _mask_until_min_tokens(logits, metadata)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
+        if metadata.logit_bias is not None:
+            logits = logits.clone()
+            rows, cols, biases = metadata.logit_bias
+            logits[rows, cols] += torch.tensor(biases, device=logits.device, dtype=logits.dtype)
+        if metadata.banned is not None:
+            logits = logits.clone()
+            logits[metadata.banned] = float("-inf")
 
-        greedy = all(p.is_greedy for p in params)
-        tokens = argmax(logits) if greedy else self._sample(logits, metadata)
+        tokens = argmax(logits) if metadata.all_greedy else self._sample(logits, metadata)
         token_list = tokens.tolist()
         if raw_logprobs is None:
-            return token_list, [None] * len(params)
-        return token_list, gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
+            return token_list, [None] * len(token_list)
+        return token_list, gather_logprobs(raw_logprobs, tokens, metadata.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        params = metadata.params
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        temperature = torch.tensor(
-            [p.temperature if not p.is_greedy else 1.0 for p in params],
-            device=logits.device,
-            dtype=logits.dtype,
-        )
-        scaled = logits / temperature[:, None]
-        scaled = _apply_top_k_top_p_min_p(scaled, params)
+        scaled = logits / metadata.temperature.to(logits.device)[:, None]
+        scaled = _apply_top_k_top_p_min_p(scaled, metadata)
         probs = torch.softmax(scaled, dim=-1)
 
         noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        unseeded = [row for row in range(probs.shape[0]) if row not in metadata.generators]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
                 generator=self.generator
             )
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                noise[i].exponential_(generator=self._generator_for(metadata.req_ids[i], p.seed))
+        for row, generator in metadata.generators.items():
+            noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, argmax(logits), sampled)
-
-    def _generator_for(self, req_id: str, seed: int) -> torch.Generator:
-        generator = self._request_generators.get(req_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self._request_generators[req_id] = generator
-        return generator
+        return torch.where(metadata.is_greedy.to(logits.device), argmax(logits), sampled)
 
 
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """vLLM's semantics: repetition divides positive / multiplies negative logits of tokens
     seen in prompt or output; frequency subtracts per output occurrence; presence once."""
-    num_reqs, vocab = logits.shape
     device = logits.device
-    output_counts = torch.zeros(num_reqs, vocab, device=device)
-    seen = torch.zeros(num_reqs, vocab, dtype=torch.bool, device=device)
-    params = metadata.params
-    for i, p in enumerate(params):
-        if not p.has_penalties:
-            continue
-        out_ids = torch.tensor(metadata.output_token_ids[i], dtype=torch.long, device=device)
-        output_counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=device))
-        seen[i, torch.tensor(metadata.prompt_token_ids[i], dtype=torch.long, device=device)] = True
-    seen |= output_counts > 0
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
-
-
-def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
-    rows, cols, biases = [], [], []
-    for i, p in enumerate(params):
-        for token_id, bias in (p.logit_bias or {}).items():
-            rows.append(i)
-            cols.append(token_id)
-            biases.append(bias)
+    rows = penalties.rows.to(device)
+    penalized_rows = logits[rows]
+    token_ids = penalties.token_ids.to(device)
+    output_counts = torch.zeros_like(penalized_rows).scatter_add_(
+        1, token_ids, penalties.is_output.to(device, logits.dtype)
+    )
+    prompt_counts = torch.zeros_like(penalized_rows).scatter_add_(
+        1, token_ids, penalties.is_prompt.to(device, logits.dtype)
+    )
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    rep = penalties.repetition.to(device)
+    penalized = torch.where(penalized_rows > 0, penalized_rows / rep, penalized_rows * rep)
+    penalized_rows = torch.where(seen, penalized, penalized_rows)
+    penalized_rows = (
+        penalized_rows
+        - penalties.frequency.to(device) * output_counts
+        - penalties.presence.to(device) * (output_counts > 0).to(logits.dtype)
+    )
     logits = logits.clone()
-    logits[rows, cols] += torch.tensor(biases, device=logits.device, dtype=logits.dtype)
+    logits[rows] = penalized_rows
     return logits
 
 
-def _mask_until_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    rows, cols = [], []
-    for i, (params, output_ids) in enumerate(zip(metadata.params, metadata.output_token_ids, strict=True)):
-        if len(output_ids) < params.min_tokens:
-            banned = set(params.stop_token_ids or ())
-            if not params.ignore_eos:
-                banned |= metadata.eos_token_ids[i]
-            rows += [i] * len(banned)
-            cols += sorted(banned)
-    if rows:
-        logits = logits.clone()
-        logits[rows, cols] = float("-inf")
-    return logits
-
-
-def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     vocab = logits.shape[1]
-    top_k = [min(p.top_k or vocab, vocab) for p in params]
-    top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+    device = logits.device
+    if metadata.top_k is not None and metadata.top_p is not None:
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        drop = ranks >= torch.tensor(top_k, device=logits.device)[:, None]
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= metadata.top_k.to(device)[:, None]
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # keep a token while the mass before it is below top_p (the top token always stays)
-        drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= torch.tensor(top_p, device=logits.device)[
-            :, None
-        ]
+        drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= metadata.top_p.to(device)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
-    if any(p > 0.0 for p in min_p):
+    if metadata.min_p is not None:
         probs = logits.softmax(dim=-1)
-        threshold = (
-            probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=logits.device)[:, None]
-        )
+        threshold = probs.max(dim=-1, keepdim=True).values * metadata.min_p.to(device)[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 

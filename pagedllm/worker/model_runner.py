@@ -1,9 +1,10 @@
 """ModelRunner: the mechanism that executes one scheduled step on the device.
 
-scheduled requests -> request table -> input tensors -> model -> logits of the rows to sample
+the step's delta -> input batch -> input tensors -> model -> logits of the rows to sample
 -> grammar bitmask (structured output) -> sampler. It receives ids, counts and, once per
 request, its prompt and settings (SchedulerOutput), never scheduler objects; it keeps its own
-copy of each request (request_table.py) and appends the tokens it samples.
+copy of each request, a row of its input batch (input_batch.py), and appends the tokens it
+samples there.
 
 Failure isolation: the forward pass is the whole batch's, and an error there propagates (the
 engine's state is then unknown). What is one request's own (its sampling settings, its prompt
@@ -22,9 +23,9 @@ from pagedllm.attention.backend import AttentionBackend, select_backend
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
-from pagedllm.structured_output.bitmask import apply_bitmask
+from pagedllm.structured_output.bitmask import GrammarBitmask, apply_bitmask
+from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_builder import ModelInput, build_model_input
-from pagedllm.worker.request_table import RequestTable, StepRequest, sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -50,22 +51,38 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
-        self.requests = RequestTable(max_num_reqs, -(-max_model_len // block_size))
+        self.input_batch = InputBatch(
+            max_num_reqs,
+            max_model_len,
+            -(-max_model_len // block_size),
+            model.config.vocab_size,
+            device,
+        )
         # attention in the CPU kernel, else in PyTorch ops: decided once, from the model and cache
         self.attn_backend: AttentionBackend = select_backend(
             device, model.embed_tokens.weight.dtype, kv_caches[0][0].dtype, model.config.head_dim
         )
 
+    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+        """Tokens sampled elsewhere (tensor parallelism: by rank 0) for requests held here; a
+        request finished or preempted since is not held, and its token is dropped."""
+        row_of = self.input_batch.row_of
+        held = [(row_of[req_id], token) for req_id, token in sampled_token_ids.items() if req_id in row_of]
+        if held:
+            self.input_batch.append_tokens(*map(list, zip(*held, strict=True)))
+
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.sampler.forget(scheduler_output.finished_req_ids)
-        batch = self.requests.update(scheduler_output)
-        if not batch:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.update(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
-        num_blocks = max(-(-step.seq_len // self.block_size) for step in batch)
         model_input = build_model_input(
             batch,
-            self.requests.block_tables(batch, num_blocks),
+            [batch.row_of[req_id] for req_id in scheduler_output.num_scheduled_tokens],
+            list(scheduler_output.num_scheduled_tokens.values()),
             self.block_size,
             self.device,
             self.attn_backend,
@@ -77,20 +94,17 @@ class ModelRunner:
         if not self.samples:
             self._logits_for_rank_0(hidden, model_input)
             return output
-        for request, first_row, num_rows in model_input.prompt_scoring:
-            with _failing_alone(output, request.req_id):
-                output.prompt_logprobs[request.req_id] = self._score_prompt(
-                    hidden, request, first_row, num_rows
-                )
-        if model_input.sampled:
+        for row, first, num_rows in model_input.prompt_scoring:
+            with _failing_alone(output, batch.req_ids[row]):
+                output.prompt_logprobs[batch.req_ids[row]] = self._score_prompt(hidden, row, first, num_rows)
+        if model_input.sampled_rows:
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
             assert logits is not None  # rank 0 gets the whole vocabulary
-            grammar = scheduler_output.grammar_bitmask
-            if grammar is not None:
-                output.failed.update(grammar.failed)
-                rows = {req.req_id: row for row, req in enumerate(model_input.sampled)}
-                apply_bitmask(logits, grammar, rows)
-            self._sample(logits, model_input.sampled, output)
+            if grammar_bitmask is not None:
+                output.failed.update(grammar_bitmask.failed)
+                position = {batch.req_ids[row]: i for i, row in enumerate(model_input.sampled_rows)}
+                apply_bitmask(logits, grammar_bitmask, position)
+            self._sample(logits, model_input.sampled_rows, output)
         return output
 
     def _logits_for_rank_0(self, hidden: torch.Tensor, model_input: ModelInput) -> None:
@@ -100,43 +114,42 @@ class ModelRunner:
             return
         for _, first_row, num_rows in model_input.prompt_scoring:
             self.model.compute_logits(hidden[first_row : first_row + num_rows])
-        if model_input.sampled:
+        if model_input.sampled_rows:
             self.model.compute_logits(hidden[model_input.logits_indices])
 
-    def _sample(self, logits: torch.Tensor, reqs: list[StepRequest], output: ModelRunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, rows: list[int], output: ModelRunnerOutput) -> None:
         """Sample the batch at once; if that raises, each request alone, so only the ones at
-        fault fail. logits: [len(reqs), vocab]."""
+        fault fail. logits: [len(rows), vocab]."""
+        batch = self.input_batch
         try:
-            tokens, logprobs = self.sampler(logits, sampling_metadata(reqs))
+            tokens, logprobs = self.sampler(logits, batch.sampling_metadata(rows))
         except Exception:
-            logger.warning("Batched sampling failed; sampling the %d requests one by one", len(reqs))
-            for row, req in enumerate(reqs):
-                with _failing_alone(output, req.req_id):
-                    alone = sampling_metadata([req])
-                    self._record(output, *self.sampler(logits[row : row + 1], alone), [req])
+            logger.warning("Batched sampling failed; sampling the %d requests one by one", len(rows))
+            for i, row in enumerate(rows):
+                with _failing_alone(output, batch.req_ids[row]):
+                    alone = batch.sampling_metadata([row])
+                    self._record(output, *self.sampler(logits[i : i + 1], alone), [row])
             return
-        self._record(output, tokens, logprobs, reqs)
+        self._record(output, tokens, logprobs, rows)
 
-    @staticmethod
-    def _record(
-        output: ModelRunnerOutput, tokens: list[int], logprobs: list, reqs: list[StepRequest]
-    ) -> None:
-        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
-            output.sampled_token_ids[req.req_id] = token
-            req.state.output_token_ids.append(token)  # the runner's copy grows as the scheduler's
+    def _record(self, output: ModelRunnerOutput, tokens: list[int], logprobs: list, rows: list[int]) -> None:
+        batch = self.input_batch
+        for row, token, lp in zip(rows, tokens, logprobs, strict=True):
+            req_id = batch.req_ids[row]
+            output.sampled_token_ids[req_id] = token
             if lp is not None:
-                output.logprobs[req.req_id] = lp
+                output.logprobs[req_id] = lp
+        batch.append_tokens(rows, tokens)  # the runner's copy grows as the scheduler's
 
-    def _score_prompt(
-        self, hidden: torch.Tensor, request: StepRequest, first_row: int, num_rows: int
-    ) -> list[TokenLogprobs]:
+    def _score_prompt(self, hidden: torch.Tensor, row: int, first: int, num_rows: int) -> list[TokenLogprobs]:
         """Logprobs of the prompt tokens that follow this chunk's rows (teacher forcing)."""
         # logits first: with a vocabulary-parallel head they are a gather every rank joins
-        logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
-        start = request.num_computed_tokens + 1
-        targets = torch.tensor(request.prompt_token_ids[start : start + num_rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden[first : first + num_rows])
+        batch = self.input_batch
+        start = int(batch.num_computed_tokens[row]) + 1
+        targets = batch.token_ids[row, start : start + num_rows].to(hidden.device, torch.long)
         assert logits is not None
-        k = request.sampling_params.prompt_logprobs
+        k = batch.num_prompt_logprobs[row]
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]
 
 

@@ -23,6 +23,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_model, resolve_dtype
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.bitmask import GrammarBitmask
 from pagedllm.worker.cpu_allocator import keep_freed_memory
 from pagedllm.worker.cpu_threads import CPUThreads
 from pagedllm.worker.kv_cache import (
@@ -125,13 +126,15 @@ class Worker:
     def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
         """Ranks that do not sample: the tokens rank 0 sampled last step, before this step's input."""
         assert self.runner is not None, "initialize_cache() first"
-        self.runner.requests.append_sampled(sampled_token_ids)
+        self.runner.append_sampled(sampled_token_ids)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache() first"
         if self.cpu_threads is not None:
             self.cpu_threads.adjust()
-        return self.runner.execute_model(scheduler_output)
+        return self.runner.execute_model(scheduler_output, grammar_bitmask)
 
     def _cuda_budget_bytes(self) -> int:
         """device memory x utilization - (weights + activation peak + memory outside torch)."""
@@ -180,10 +183,14 @@ class Worker:
             eos_token_ids=frozenset(),
             block_ids=list(range(num_blocks)),
             num_computed_tokens=0,
-            num_scheduled_tokens=num_tokens,
-            do_sample=True,
         )
-        runner.execute_model(SchedulerOutput(scheduled=[dummy], num_scheduled_tokens=num_tokens))
+        runner.execute_model(
+            SchedulerOutput(
+                new_requests=[dummy],
+                num_scheduled_tokens={dummy.req_id: num_tokens},
+                total_num_scheduled_tokens=num_tokens,
+            )
+        )
         torch.cuda.synchronize(self.device)
         del runner
         gc.collect()

@@ -1,0 +1,223 @@
+"""The runner's persistent batch: every request it holds, one row each, from its first step to its
+last (vLLM's v1/worker/gpu_input_batch.py, updated from the delta of v1/core/sched/output.py).
+
+The scheduler sends a request whole once (NewRequestData), then each step only what changed
+(CachedRequestData: new block ids, computed counts). The batch writes those into row arrays in
+place: token ids (the prompt, then each sampled token at its position), counts, block ids and
+sampling settings. A step is then a list of rows: its input ids, its sampling settings and its
+penalties' tokens are gathers from these arrays, not lists rebuilt in Python.
+
+    step N:   finished / preempted ids -> rows freed       new requests -> rows taken, filled
+              cached requests -> computed counts set, new block ids written after their last
+              sampled tokens -> written at each row's end, its count + 1
+
+A request's tokens this step are positions num_computed.. of its row, however many: a prefill
+chunk, or a decode with proposed tokens written after its last one (speculative decoding) read
+the same way. A preempted request gives its row back and gets one again when it resumes; its
+seeded generator lives on until it finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from pagedllm.core.outputs import NewRequestData, SchedulerOutput
+from pagedllm.sample.metadata import Penalties, SamplingMetadata
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        # token ids, counts and blocks, one row per request
+        self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32)
+        """Row r: its request's prompt, then its output tokens; the rest is stale."""
+        self.num_prompt_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        """Prompt and output tokens known: the next sampled one goes at this position."""
+        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.long)
+        """Row r: its request's block ids, then zeros."""
+        self._num_blocks = [0] * max_num_reqs
+        # sampling settings, one entry per row; the rare ones in dicts by row
+        self.temperature = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.top_k = torch.full((max_num_reqs,), vocab_size, dtype=torch.int64)
+        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.min_p = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.repetition_penalty = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.frequency_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.presence_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self._greedy = [True] * max_num_reqs
+        self._cuts_top = [False] * max_num_reqs
+        """The row cuts by top-k or top-p."""
+        self._penalized = [False] * max_num_reqs
+        self._logit_bias: dict[int, dict[int, float]] = {}
+        self._min_tokens: dict[int, tuple[int, list[int]]] = {}
+        """Row -> (min_tokens, the stop and end-of-sequence ids banned until then)."""
+        self._num_logprobs: list[int | None] = [None] * max_num_reqs
+        self.num_prompt_logprobs: list[int | None] = [None] * max_num_reqs
+        self.generators: dict[str, torch.Generator] = {}
+        """Seeded requests' own generators, by request id: kept through a preemption."""
+        self.req_ids: list[str] = [""] * max_num_reqs
+        """Row -> its request's id (empty: a free row)."""
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    # ---- the step's delta ----------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply a step's delta: rows freed, rows taken, counts and blocks of held rows set."""
+        self._remove(scheduler_output.finished_req_ids, finished=True)
+        self._remove(scheduler_output.preempted_req_ids, finished=False)
+        for new in scheduler_output.new_requests:
+            self._add(new)
+        cached = scheduler_output.cached_requests
+        rows = [self.row_of[req_id] for req_id in cached.req_ids]
+        if rows:
+            self.num_computed_tokens[rows] = torch.tensor(cached.num_computed_tokens)
+        for row, block_ids in zip(rows, cached.new_block_ids, strict=True):
+            if block_ids:
+                self._append_blocks(row, block_ids)
+
+    def append_tokens(self, rows: list[int], token_ids: list[int]) -> None:
+        """Sampled tokens (by this runner, or by rank 0 with tensor parallelism), one per row."""
+        index = torch.tensor(rows)
+        self.token_ids[index, self.num_tokens[index]] = torch.tensor(token_ids, dtype=torch.int32)
+        self.num_tokens[index] += 1
+
+    # ---- what a step reads ---------------------------------------------------------------------
+
+    def sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
+        """The sampler's view of these rows, in this order (the order of the logits' rows)."""
+        index = torch.tensor(rows)
+        is_greedy = [self._greedy[row] for row in rows]
+        cuts_top = any(self._cuts_top[row] for row in rows)
+        min_p = self.min_p[index]
+        return SamplingMetadata(
+            all_greedy=all(is_greedy),
+            is_greedy=torch.tensor(is_greedy),
+            temperature=self.temperature[index],
+            top_k=self.top_k[index] if cuts_top else None,
+            top_p=self.top_p[index] if cuts_top else None,
+            min_p=min_p if bool((min_p > 0).any()) else None,
+            generators={
+                i: generator
+                for i, row in enumerate(rows)
+                if (generator := self.generators.get(self.req_ids[row])) is not None
+            },
+            penalties=self._penalties([i for i, row in enumerate(rows) if self._penalized[row]], index),
+            logit_bias=self._logit_biases(rows),
+            banned=self._banned(rows),
+            num_logprobs=[self._num_logprobs[row] for row in rows],
+        )
+
+    def _penalties(self, positions: list[int], index: torch.Tensor) -> Penalties | None:
+        if not positions:
+            return None
+        rows = index[positions]
+        num_prompt, num_tokens = self.num_prompt_tokens[rows][:, None], self.num_tokens[rows][:, None]
+        length = int(num_tokens.max())
+        column = torch.arange(length)[None, :]
+        return Penalties(
+            rows=torch.tensor(positions),
+            token_ids=self.token_ids[rows, :length].long(),
+            is_prompt=column < num_prompt,
+            is_output=(column >= num_prompt) & (column < num_tokens),
+            repetition=self.repetition_penalty[rows][:, None],
+            frequency=self.frequency_penalty[rows][:, None],
+            presence=self.presence_penalty[rows][:, None],
+        )
+
+    def _logit_biases(self, rows: list[int]) -> tuple[list[int], list[int], list[float]] | None:
+        if not self._logit_bias:
+            return None
+        positions, cols, biases = [], [], []
+        for i, row in enumerate(rows):
+            for token_id, bias in self._logit_bias.get(row, {}).items():
+                positions.append(i)
+                cols.append(token_id)
+                biases.append(bias)
+        return (positions, cols, biases) if positions else None
+
+    def _banned(self, rows: list[int]) -> tuple[list[int], list[int]] | None:
+        if not self._min_tokens:
+            return None
+        positions: list[int] = []
+        cols: list[int] = []
+        for i, row in enumerate(rows):
+            entry = self._min_tokens.get(row)
+            if entry is not None and int(self.num_tokens[row] - self.num_prompt_tokens[row]) < entry[0]:
+                positions += [i] * len(entry[1])
+                cols += entry[1]
+        return (positions, cols) if positions else None
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _remove(self, req_ids: Iterable[str], finished: bool) -> None:
+        """Give the rows of these requests back; a finished one's generator goes too."""
+        for req_id in req_ids:
+            if finished:
+                self.generators.pop(req_id, None)
+            row = self.row_of.pop(req_id, None)
+            if row is None:
+                continue
+            self.req_ids[row] = ""
+            self._logit_bias.pop(row, None)
+            self._min_tokens.pop(row, None)
+            self._free_rows.append(row)
+
+    def _add(self, new: NewRequestData) -> None:
+        row = self._free_rows.pop()
+        self.req_ids[row] = new.req_id
+        self.row_of[new.req_id] = row
+        num_prompt, num_output = len(new.prompt_token_ids), len(new.output_token_ids)
+        self.token_ids[row, :num_prompt] = torch.tensor(new.prompt_token_ids, dtype=torch.int32)
+        if num_output:
+            self.token_ids[row, num_prompt : num_prompt + num_output] = torch.tensor(
+                new.output_token_ids, dtype=torch.int32
+            )
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_tokens[row] = num_prompt + num_output
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table[row].zero_()
+        self._num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        self._set_sampling(row, new)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        end = self._num_blocks[row] + len(block_ids)
+        self.block_table[row, self._num_blocks[row] : end] = torch.tensor(block_ids)
+        self._num_blocks[row] = end
+
+    def _set_sampling(self, row: int, new: NewRequestData) -> None:
+        params = new.sampling_params
+        self._greedy[row] = params.is_greedy
+        self.temperature[row] = 1.0 if params.is_greedy else params.temperature
+        self.top_k[row] = min(params.top_k or self.vocab_size, self.vocab_size)
+        self.top_p[row] = params.top_p
+        self._cuts_top[row] = int(self.top_k[row]) < self.vocab_size or params.top_p < 1.0
+        self.min_p[row] = params.min_p
+        self._penalized[row] = params.has_penalties
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        if params.logit_bias:
+            self._logit_bias[row] = params.logit_bias
+        banned = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            banned |= new.eos_token_ids
+        if params.min_tokens > 0 and banned:
+            self._min_tokens[row] = (params.min_tokens, sorted(banned))
+        self._num_logprobs[row] = params.logprobs
+        self.num_prompt_logprobs[row] = params.prompt_logprobs
+        if params.seed is not None and new.req_id not in self.generators:
+            self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
