@@ -25,10 +25,10 @@ def _inject() -> None:
     append = detokenizer.IncrementalDetokenizer.append
     forward = llama.LlamaForCausalLM.forward
 
-    def faulty_sample(self, logits, reqs):
-        if any(p.seed == SAMPLING_FAULT_SEED for p in reqs.params):
+    def faulty_sample(self, logits, metadata):
+        if any(g.initial_seed() == SAMPLING_FAULT_SEED for g in metadata.generators.values()):
             raise RuntimeError("injected sampling fault")
-        return sample(self, logits, reqs)
+        return sample(self, logits, metadata)
 
     def faulty_append(self, token_ids):
         if self._params.seed == DETOKENIZE_FAULT_SEED:

@@ -139,10 +139,10 @@ def test_a_request_whose_sampling_fails_ends_alone_with_an_error(llm, monkeypatc
     expected = llm.generate(prompts, params, use_tqdm=False)
     sample = Sampler.__call__
 
-    def faulty(self, logits, reqs):
-        if any(p.seed == 666 for p in reqs.params):
+    def faulty(self, logits, metadata):
+        if any(g.initial_seed() == 666 for g in metadata.generators.values()):
             raise RuntimeError("injected")
-        return sample(self, logits, reqs)
+        return sample(self, logits, metadata)
 
     monkeypatch.setattr(Sampler, "__call__", faulty)
     bad = SamplingParams(temperature=0.5, max_tokens=8, seed=666)

@@ -173,7 +173,7 @@ class Worker:
             self.device,
             self.config.seed,
             max_num_reqs=1,
-            max_model_len=num_tokens,
+            max_model_len=num_tokens + 1,  # room for the token it samples
         )
         dummy = NewRequestData(
             req_id="profile",
