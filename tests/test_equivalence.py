@@ -56,3 +56,20 @@ def test_one_token_prefill_chunks_give_the_same_outputs(baseline):
     single = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=1, max_num_seqs=1)
     outputs = single.generate(PROMPTS[:3], [_params(i) for i in range(3)], use_tqdm=False)
     assert_same_or_near_tie(outputs, baseline[:3], "chunk 1")
+
+
+def test_the_pytorch_attention_path_gives_the_same_outputs(baseline, monkeypatch):
+    """The path CUDA takes (gather + SDPA, decode batches grouped by length, prefill spans over a
+    cached context), run through the runner here on CPU: chunked prefill and prefix hits included."""
+    from pagedllm.attention.backend import TorchBackend
+    from pagedllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "select_backend", lambda device, dtype, *_: TorchBackend(dtype))
+    torch_path = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=32, max_num_seqs=32)
+    assert isinstance(torch_path.llm_engine.executor.driver_worker.runner.attn_backend, TorchBackend)
+    params = [_params(i) for i in range(len(PROMPTS))]
+    outputs = torch_path.generate(PROMPTS, params, use_tqdm=False)
+    assert_same_or_near_tie(outputs, baseline, "PyTorch attention")
+    again = torch_path.generate(PROMPTS[-4:], params[-4:], use_tqdm=False)  # their prefixes now hit
+    assert torch_path.llm_engine.get_stats().prefix_cache.hits > 0
+    assert_same_or_near_tie(again, baseline[-4:], "PyTorch attention, prefix hits")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, PagedKernelInput, build_torch_metadata
+from pagedllm.attention.metadata import AttentionMetadata, PagedKernelInput, StepLayout, build_torch_metadata
 from pagedllm.attention.paged_attention import paged_attention, write_kv
 from pagedllm.kernels import cpu_ops
 
@@ -66,20 +66,8 @@ class AttentionBackend(ABC):
         self.dtype = dtype  # the model's
 
     @abstractmethod
-    def build_metadata(
-        self,
-        slot_mapping: torch.Tensor,
-        counts: list[int],
-        starts: list[int],
-        seq_lens: list[int],
-        row_offsets: torch.Tensor,
-        block_tables: torch.Tensor,
-        block_size: int,
-        device: torch.device,
-    ) -> AttentionMetadata:
-        """slot_mapping: [num_tokens] (on the host); counts, starts, seq_lens: each request's
-        tokens this step, tokens before them, and keys once they are written; row_offsets:
-        [num_reqs] its first row; block_tables: [num_reqs, >= the most blocks any uses]."""
+    def build_metadata(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
+        """The step's metadata for this path, shared by every layer."""
 
     @abstractmethod
     def forward(
@@ -101,21 +89,11 @@ class CpuKernelBackend(AttentionBackend):
         # rotary and the K/V write fused in one pass where the cache holds the model's dtype
         self.fuses_rotary_write = cache_dtype == dtype
 
-    def build_metadata(
-        self,
-        slot_mapping: torch.Tensor,
-        counts: list[int],
-        starts: list[int],
-        seq_lens: list[int],
-        row_offsets: torch.Tensor,
-        block_tables: torch.Tensor,
-        block_size: int,
-        device: torch.device,
-    ) -> AttentionMetadata:
+    def build_metadata(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
         # one call takes every token: no groups, spans or masks to build
-        query_start_loc = torch.cat([row_offsets, torch.tensor([slot_mapping.shape[0]])])
-        kernel = PagedKernelInput(block_tables, query_start_loc, torch.tensor(seq_lens))
-        return AttentionMetadata(slot_mapping.to(device), [], [], kernel, self)
+        query_start_loc = torch.tensor([*layout.row_offsets, layout.slot_mapping.shape[0]])
+        kernel = PagedKernelInput(layout.block_tables, query_start_loc, torch.tensor(layout.seq_lens))
+        return AttentionMetadata(layout.slot_mapping.to(device), [], [], kernel, self)
 
     def forward(
         self,
@@ -142,28 +120,8 @@ class CpuKernelBackend(AttentionBackend):
 class TorchBackend(AttentionBackend):
     name = "PyTorch ops (gather + SDPA)"
 
-    def build_metadata(
-        self,
-        slot_mapping: torch.Tensor,
-        counts: list[int],
-        starts: list[int],
-        seq_lens: list[int],
-        row_offsets: torch.Tensor,
-        block_tables: torch.Tensor,
-        block_size: int,
-        device: torch.device,
-    ) -> AttentionMetadata:
-        metadata = build_torch_metadata(
-            slot_mapping,
-            counts,
-            starts,
-            seq_lens,
-            row_offsets.tolist(),
-            block_tables,
-            block_size,
-            device,
-            self.dtype,
-        )
+    def build_metadata(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
+        metadata = build_torch_metadata(layout, device, self.dtype)
         metadata.backend = self
         return metadata
 

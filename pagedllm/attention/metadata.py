@@ -29,6 +29,21 @@ class RunsAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """Where a step's tokens lie, as the runner laid them out: request i computes counts[i]
+    tokens at flat rows row_offsets[i].., after starts[i] tokens already in the cache, and
+    attends seq_lens[i] = starts[i] + counts[i] keys once they are written."""
+
+    slot_mapping: torch.Tensor  # [num_tokens], on the host
+    counts: list[int]
+    starts: list[int]
+    seq_lens: list[int]
+    row_offsets: list[int]
+    block_tables: torch.Tensor  # [num_reqs, >= the most blocks any request uses]
+    block_size: int
+
+
 @dataclass
 class DecodeBatch:
     """Requests computing one token each, attended in one batched call."""
@@ -71,31 +86,16 @@ class AttentionMetadata:
     backend: RunsAttention | None = None  # None: built by hand (tests) for paged_attention()
 
 
-def build_torch_metadata(
-    slot_mapping: torch.Tensor,
-    counts: list[int],
-    starts: list[int],
-    seq_lens: list[int],
-    row_offsets: list[int],
-    block_tables: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> AttentionMetadata:
+def build_torch_metadata(layout: StepLayout, device: torch.device, dtype: torch.dtype) -> AttentionMetadata:
     """Decode batches grouped by length and one span per prefill chunk, for the PyTorch path.
-    counts, starts, seq_lens: each request's tokens this step, tokens before them, and keys once
-    they are written; row_offsets: its first row. dtype: the model's, for the additive masks."""
+    dtype: the model's, for the additive masks."""
+    counts = layout.counts
     decode_reqs = [i for i in range(len(counts)) if counts[i] == 1]
     decode_batches = [
-        _decode_batch(group, row_offsets, seq_lens, block_tables, block_size, device)
-        for group in _group_by_length(decode_reqs, seq_lens)
+        _decode_batch(group, layout, device) for group in _group_by_length(decode_reqs, layout.seq_lens)
     ]
-    prefills = [
-        _prefill_span(i, row_offsets[i], counts[i], starts[i], block_tables, block_size, device, dtype)
-        for i in range(len(counts))
-        if counts[i] > 1
-    ]
-    return AttentionMetadata(slot_mapping.to(device), decode_batches, prefills)
+    prefills = [_prefill_span(i, layout, device, dtype) for i in range(len(counts)) if counts[i] > 1]
+    return AttentionMetadata(layout.slot_mapping.to(device), decode_batches, prefills)
 
 
 # Decodes are grouped by context length so one long request does not make every short one
@@ -112,46 +112,30 @@ def _group_by_length(req_indices: list[int], seq_lens: list[int]) -> list[list[i
     return groups
 
 
-def _decode_batch(
-    group: list[int],
-    row_offsets: list[int],
-    seq_lens: list[int],
-    block_tables: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-) -> DecodeBatch:
-    group_seq_lens = torch.tensor([seq_lens[i] for i in group])
-    num_blocks = -(-int(group_seq_lens.max()) // block_size)
-    tables = block_tables[torch.tensor(group), :num_blocks]
-    key_positions = torch.arange(num_blocks * block_size)
+def _decode_batch(group: list[int], layout: StepLayout, device: torch.device) -> DecodeBatch:
+    group_seq_lens = torch.tensor([layout.seq_lens[i] for i in group])
+    num_blocks = -(-int(group_seq_lens.max()) // layout.block_size)
+    tables = layout.block_tables[torch.tensor(group), :num_blocks]
+    key_positions = torch.arange(num_blocks * layout.block_size)
     mask = (key_positions[None, :] < group_seq_lens[:, None])[:, None, None, :]
     return DecodeBatch(
-        token_indices=torch.tensor([row_offsets[i] for i in group], dtype=torch.long).to(device),
+        token_indices=torch.tensor([layout.row_offsets[i] for i in group], dtype=torch.long).to(device),
         block_tables=tables.to(device),
         seq_lens=group_seq_lens.to(device),
         attend_mask=mask.to(device),
     )
 
 
-def _prefill_span(
-    req: int,
-    row_offset: int,
-    count: int,
-    start: int,
-    block_tables: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> PrefillSpan:
+def _prefill_span(req: int, layout: StepLayout, device: torch.device, dtype: torch.dtype) -> PrefillSpan:
+    row_offset, count, start = layout.row_offsets[req], layout.counts[req], layout.starts[req]
     if start == 0:
         return PrefillSpan(row_offset, row_offset + count, 0, None, None)
     seq_len = start + count
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = -(-seq_len // layout.block_size)
     query_positions = torch.arange(start, seq_len)
     visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # [chunk, seq_len]
     # additive, in the model's dtype: SDPA adds it as it is, where a boolean mask would be
     # converted again in every layer
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return PrefillSpan(
-        row_offset, row_offset + count, start, block_tables[req, :num_blocks].to(device), mask.to(device)
-    )
+    block_ids = layout.block_tables[req, :num_blocks].to(device)
+    return PrefillSpan(row_offset, row_offset + count, start, block_ids, mask.to(device))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, StepLayout
 from pagedllm.worker.input_batch import InputBatch
 
 
@@ -56,12 +56,13 @@ def build_model_input(
     positions = torch.arange(num_tokens) - row_offsets[req_of_token] + starts_t[req_of_token]
     slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
     input_ids = batch.token_ids[index[req_of_token], positions].long()
-    attn_metadata = attn_backend.build_metadata(
-        slot_mapping, counts, starts_t.tolist(), seq_lens, row_offsets, block_tables, block_size, device
+    row_offset_list = row_offsets.tolist()
+    layout = StepLayout(
+        slot_mapping, counts, starts_t.tolist(), seq_lens, row_offset_list, block_tables, block_size
     )
+    attn_metadata = attn_backend.build_metadata(layout, device)
     # a request samples when this step reaches its last known token
     samples = (seq_lens_t == batch.num_tokens[index]).tolist()
-    row_offset_list = row_offsets.tolist()
     sampled = [i for i in range(len(rows)) if samples[i]]
     logits_indices = torch.tensor([row_offset_list[i] + counts[i] - 1 for i in sampled], dtype=torch.long)
 
