@@ -35,8 +35,8 @@ class ScriptedEngine:
         self.steps = 0
         self.fail_on_step = fail_on_step
 
-    def add_request(self, req_id, request: EngineRequest) -> str:
-        prompt, params = request.prompt, request.sampling_params
+    def add_processed(self, request: EngineRequest) -> str:
+        req_id, prompt, params = request.req_id, request.prompt, request.sampling_params
         if prompt == "bad":
             raise ValueError("prompt: bad")
         self.live[req_id] = (prompt, params, 0)
@@ -107,13 +107,13 @@ def test_fan_out_streams_every_choice_to_the_end():
 def test_a_bad_prompt_adds_nothing_and_a_full_queue_refuses():
     engine = ScriptedEngine(length=10**9)
     seeds = []
-    original = engine.add_request
+    original = engine.add_processed
 
-    def recording_add(req_id, request):
+    def recording_add(request):
         seeds.append(request.sampling_params.seed)
-        return original(req_id, request)
+        return original(request)
 
-    engine.add_request = recording_add  # type: ignore[method-assign]
+    engine.add_processed = recording_add  # type: ignore[method-assign]
 
     async def body(llm: AsyncLLM):
         with pytest.raises(ValueError, match="prompt: bad"):

@@ -2,7 +2,7 @@
 
     event loop (HTTP handlers)                        engine thread
     generate(): InputProcessor.process (vocabulary, lengths, limits), the grammar, then
-            ------- add command (SimpleQueue) ---->   engine.add_request(EngineRequest): bookkeeping
+            ------- add command (SimpleQueue) ---->   engine.add_processed(EngineRequest): bookkeeping
                <--- result or ValueError ----------
     RequestStream <-- one call_soon_threadsafe ----   engine.step() -> outputs of every request
                       per step
@@ -406,7 +406,7 @@ class AsyncLLM:
         added: list[str] = []
         try:
             for request in requests:
-                added.append(engine.add_request(request.req_id, request))
+                added.append(engine.add_processed(request))
         except BaseException:
             engine.abort_request(added)
             raise

@@ -128,19 +128,16 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: PromptType | EngineRequest,
+        prompt: PromptType,
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         user: str | None = None,
     ) -> str:
-        """Queue one request. An EngineRequest (what the server's InputProcessor made) is trusted
-        as is: only bookkeeping runs here. Raw inputs go through `input_processor` first. Raises
-        ValueError (naming what is wrong) before the request touches any engine state."""
-        if isinstance(prompt, EngineRequest):
-            self._check_new_id(prompt.req_id)
-            return self._add(prompt)
+        """Queue one request from raw inputs: `input_processor` checks, truncates and tokenizes it
+        (and compiles its grammar) here, then add_processed. Raises ValueError (naming what is
+        wrong) before the request touches any engine state."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -150,18 +147,16 @@ class LLMEngine:
         request = self.input_processor.process(
             req_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt, user=user
         )
-        self._check_new_id(req_id)
         if params.structured_outputs is not None:
             grammar = self.input_processor.compile_grammar(params.structured_outputs)
             request = dataclasses.replace(request, grammar=grammar)
-        return self._add(request)
+        return self.add_processed(request)
 
-    def _check_new_id(self, req_id: str) -> None:
-        if req_id in self.scheduler.requests or self.output_processor.has_request(req_id):
-            raise ValueError(f"request_id: {req_id!r} is already in use")
-
-    def _add(self, processed: EngineRequest) -> str:
-        """Bookkeeping only: the Request, its block hashes, its place in the scheduler."""
+    def add_processed(self, processed: EngineRequest) -> str:
+        """Queue a request an InputProcessor made (the server's, on its event loop): trusted as
+        it is, only bookkeeping runs here (the Request, its block hashes, its place in the
+        scheduler). Raises ValueError for an id already in use."""
+        self._check_new_id(processed.req_id)
         request = Request(
             req_id=processed.req_id,
             prompt_token_ids=list(processed.prompt_token_ids),  # the request's own copy
@@ -178,6 +173,10 @@ class LLMEngine:
         self.output_processor.add_request(request)
         self.scheduler.add_request(request)
         return request.req_id
+
+    def _check_new_id(self, req_id: str) -> None:
+        if req_id in self.scheduler.requests or self.output_processor.has_request(req_id):
+            raise ValueError(f"request_id: {req_id!r} is already in use")
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """End requests now, wherever they are; their blocks go back to the pool at once."""
