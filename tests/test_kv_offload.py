@@ -281,6 +281,40 @@ def tiny_mover(directory: Path, max_staged_blocks: int = 8) -> KVOffloadMover:
 HASHES = [bytes([i]) * 32 for i in range(4)]
 
 
+def test_the_index_hands_over_a_steps_copies_in_order():
+    """The scheduler side: a load needs a staged hash, once; a block evicted and then loaded into
+    saves first; a block loaded and evicted within one step moves nothing."""
+    index = DiskIndex()
+    a, b, c = (bytes([i]) * 32 for i in range(3))
+    index.set_staged({a, b})
+    assert c not in index and not index.load(5, c)
+    index.save(3, c)  # the pool evicts block 3 (hash c)...
+    assert index.load(3, a)  # ...and gives it to a disk hit
+    assert a not in index and not index.load(4, a)
+    assert index.load(6, b)
+    index.save(6, b)  # block 6, loaded this step, evicted again
+    assert index.take_transfers() == KVTransfers(saves=[(3, c)], loads=[(3, a)])
+    assert index.take_transfers() is None
+
+
+def test_the_mover_saves_a_block_before_loading_into_it(tmp_path):
+    """The worker side of the same step: block 0's bytes reach the disk, then block 0 holds the
+    loaded block; a load of a block not staged is a bug, raised, never garbage computed on."""
+    mover = tiny_mover(tmp_path)
+    mover.start()
+    mover.save(1, HASHES[1])
+    assert mover.store.flush(30) and mover.stage([[HASHES[1]]]) == [HASHES[1]]
+    old, loaded = ([t[i].clone() for t in mover.kv_caches[0]] for i in (0, 1))
+    mover.apply(KVTransfers(saves=[(0, HASHES[0])], loads=[(0, HASHES[1])]))
+    assert all(torch.equal(t[0], x) for t, x in zip(mover.kv_caches[0], loaded, strict=True))
+    assert mover.store.flush(30) and mover.stage([[HASHES[0]]]) == [HASHES[0]]
+    mover.apply(KVTransfers(loads=[(2, HASHES[0])]))
+    assert all(torch.equal(t[2], x) for t, x in zip(mover.kv_caches[0], old, strict=True))
+    with pytest.raises(RuntimeError, match="not staged"):
+        mover.apply(KVTransfers(loads=[(2, HASHES[0])]))
+    mover.store.close()
+
+
 def test_fifo_sparse_file_link_and_directory_under_block_names_are_refused_at_once(tmp_path, caplog):
     mover = tiny_mover(tmp_path)
     store = mover.store

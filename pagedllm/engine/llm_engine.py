@@ -25,7 +25,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.executor import Executor, make_executor
+from pagedllm.executor import Executor, WorkerDiedError, make_executor
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
@@ -271,7 +271,11 @@ class LLMEngine:
         if self.disk_index is None:
             return
         cached = self.kv_cache_manager.cached_blocks()
-        num_blocks, num_bytes = self.executor.close_kv_offload(cached)
+        try:
+            num_blocks, num_bytes = self.executor.close_kv_offload(cached)
+        except WorkerDiedError as error:  # a rank is gone: its share cannot be written
+            logger.warning("KV offload: cached blocks not written at shutdown (%s)", error)
+            return
         logger.info(
             "KV offload: %d cached blocks written; %d blocks (%.2f GiB%s) in %s",
             len(cached),
