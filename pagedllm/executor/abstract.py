@@ -23,7 +23,8 @@ class WorkerDiedError(RuntimeError):
 
 class Executor(ABC):
     """Rank 0's Worker lives in this process (`driver_worker`: its dtype, device, weights and KV
-    tensors are what the engine reports and the disk tier reads); the others, if any, elsewhere."""
+    tensors are what the engine reports); the others, if any, elsewhere. Each rank's disk tier
+    (--kv-offload-dir) is its own: the engine reaches them all through the kv_offload calls."""
 
     def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
         self.config = config
