@@ -34,7 +34,7 @@ from pagedllm.worker.kv_cache import (
     plan_kv_cache,
     resolve_cache_dtype,
 )
-from pagedllm.worker.kv_offload import DiskKVStore, KVOffloadMover, fingerprint
+from pagedllm.worker.kv_offload import KVOffloadMover, open_mover
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -146,40 +146,17 @@ class Worker:
     # ---- the disk tier (--kv-offload-dir): this rank's share of every block ------------------
 
     def open_kv_offload(self) -> None:
-        """After initialize_cache(): open this rank's directory (DIR/<fingerprint>/, the
-        fingerprint naming the rank with tensor parallelism) and start its threads.
+        """After initialize_cache(): open this rank's disk tier and start its threads (see
+        kv_offload.open_mover; with tensor parallelism, its fingerprint names the rank).
 
         Raises:
             ValueError: naming --kv-offload-dir, when the directory cannot be created.
         """
         assert self.runner is not None and self.kv_cache_plan is not None, "initialize_cache() first"
-        assert self.config.kv_offload_dir is not None
-        spec = self.kv_cache_plan.spec
-        layout: list[object] = [
-            self.dtype,
-            spec.cache_dtype,
-            spec.num_layers,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.block_size,
-            self.config.prefix_caching_hash_algo,
-        ]
-        if self.tp is not None:  # one rank's heads; one rank alone keeps the single-rank name
-            layout += ["tensor parallel rank", self.tp.rank, self.tp.world_size]
-        kv_caches = self.runner.kv_caches
-        store = DiskKVStore(
-            self.config.kv_offload_dir,
-            int(self.config.kv_offload_max_bytes),
-            fingerprint(self.model_folder, layout),
-            KVOffloadMover.payload_nbytes(kv_caches),
-            # one longest request's prefix in memory between its read and its load
-            max_staged_blocks=min(
-                self.kv_cache_plan.num_blocks, spec.blocks_per_sequence(self.kv_cache_plan.max_model_len)
-            ),
+        rank = (self.tp.rank, self.tp.world_size) if self.tp is not None else None
+        self.kv_offload = open_mover(
+            self.config, self.model_folder, self.dtype, self.kv_cache_plan, self.runner.kv_caches, rank
         )
-        mover = KVOffloadMover(store, kv_caches)
-        mover.start()
-        self.kv_offload = mover
 
     def stage_kv_offload(self, chains: list[list[BlockHash]]) -> list[BlockHash]:
         """Read the blocks the next schedule() may load; the hashes staged (see DiskKVStore.stage)."""

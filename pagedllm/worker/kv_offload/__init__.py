@@ -14,7 +14,8 @@ on every tensor-parallel rank, each rank its own share of the KV heads in its ow
 
     files.py    the block file format, the checks a file must pass, rate-limited warnings
     store.py    DiskKVStore: files by hash, the reader and writer threads, the staged payloads
-    mover.py    KVOffloadMover: copies between the store and this rank's KV cache tensors
+    mover.py    KVOffloadMover: copies between the store and this rank's KV cache tensors;
+                open_mover: a rank's fingerprint, directory and store at start-up
 
 A file holds one block of every layer's K and V (scales included for 8-bit caches), keyed by the
 block's chained content hash. The fingerprint covers what makes bytes reusable: the model's
@@ -24,7 +25,7 @@ by max_bytes: least recently used files go first.
 """
 
 from pagedllm.worker.kv_offload.files import fingerprint
-from pagedllm.worker.kv_offload.mover import KVOffloadMover
+from pagedllm.worker.kv_offload.mover import KVOffloadMover, open_mover
 from pagedllm.worker.kv_offload.store import DiskKVStore
 
-__all__ = ["DiskKVStore", "KVOffloadMover", "fingerprint"]
+__all__ = ["DiskKVStore", "KVOffloadMover", "fingerprint", "open_mover"]

@@ -14,10 +14,57 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import KVTransfers
+from pagedllm.worker.kv_cache import KVCachePlan
+from pagedllm.worker.kv_offload.files import fingerprint
 from pagedllm.worker.kv_offload.store import DiskKVStore
 
 logger = logging.getLogger(__name__)
+
+
+def open_mover(
+    config: EngineConfig,
+    model_folder: Path,
+    dtype: torch.dtype,
+    plan: KVCachePlan,
+    kv_caches: Sequence[tuple[torch.Tensor, ...]],
+    rank: tuple[int, int] | None,
+) -> KVOffloadMover:
+    """One rank's disk tier, started: DIR/<fingerprint>/ opened (created if missing, served
+    read-only if it cannot be written), its files indexed, its threads running.
+
+    Args:
+        rank: (rank, number of ranks) with tensor parallelism: the fingerprint names them, as
+            each rank stores its share of the KV heads; None keeps the single-rank fingerprint.
+
+    Raises:
+        ValueError: naming --kv-offload-dir, when the directory cannot be created.
+    """
+    assert config.kv_offload_dir is not None
+    spec = plan.spec
+    layout: list[object] = [
+        dtype,
+        spec.cache_dtype,
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.block_size,
+        config.prefix_caching_hash_algo,
+    ]
+    if rank is not None:
+        layout += ["tensor parallel rank", *rank]
+    store = DiskKVStore(
+        config.kv_offload_dir,
+        int(config.kv_offload_max_bytes),
+        fingerprint(model_folder, layout),
+        KVOffloadMover.payload_nbytes(kv_caches),
+        # one longest request's prefix in memory between its read and its load
+        max_staged_blocks=min(plan.num_blocks, spec.blocks_per_sequence(plan.max_model_len)),
+    )
+    mover = KVOffloadMover(store, kv_caches)
+    mover.start()
+    return mover
 
 
 class KVOffloadMover:
