@@ -271,11 +271,6 @@ class EngineConfig:
             "needs prefix caching (the disk tier keeps cached blocks)",
         )
         need(
-            self.kv_offload_dir is None or self.tensor_parallel_size == 1,
-            "kv_offload_dir",
-            "the disk tier copies rank 0's KV blocks only; use it without --tensor-parallel-size",
-        )
-        need(
             not self.kv_offload_dir
             or not os.path.exists(self.kv_offload_dir)
             or os.path.isdir(self.kv_offload_dir),

@@ -31,10 +31,12 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_hash import extend_hashes, get_hash_function
+from pagedllm.core.disk_index import DiskIndex
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import KVTransfers
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request
-from pagedllm.worker.kv_offload import DiskKVStore
+from pagedllm.worker.kv_offload import DiskKVStore, KVOffloadMover
 
 from .helpers import TEST_ENGINE_ARGS, RemoteServer, server_engine_args
 
@@ -49,6 +51,13 @@ def engine(tmp_path, **overrides) -> LLM:
 
 def run(llm: LLM, prompt: str = PROMPT):
     return llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+
+
+def disk_store(llm: LLM) -> DiskKVStore:
+    """Rank 0's store: the files behind an engine's disk tier."""
+    mover = llm.llm_engine.worker.kv_offload
+    assert mover is not None
+    return mover.store
 
 
 @pytest.mark.slow
@@ -75,7 +84,7 @@ def test_blocks_evicted_under_pressure_come_back_from_disk(tmp_path, llm):
     run(small)
     for i in range(6):  # other prompts take every block: the first prompt's blocks are evicted
         run(small, "".join(f"Unrelated filler text number {i}, part {j}. " for j in range(30)))
-    small.llm_engine.kv_offload.flush()
+    disk_store(small).flush()
     again = run(small)
     assert small.llm_engine.kv_cache_manager.num_disk_hit_blocks > 0
     assert again.num_cached_tokens > 300
@@ -88,7 +97,7 @@ def test_corrupted_and_foreign_files_are_refused(tmp_path, llm, caplog):
     first = engine(tmp_path)
     run(first)
     first.llm_engine.close()
-    store_dir = first.llm_engine.kv_offload.directory
+    store_dir = disk_store(first).directory
     ids = llm.get_tokenizer()(PROMPT).input_ids
     first_block = store_dir / f"{extend_hashes([], ids, 16, get_hash_function('sha256'))[0].hex()}.kv"
     other = engine(tmp_path, block_size=32)  # another fingerprint: its own subdirectory
@@ -111,14 +120,14 @@ def test_corrupted_and_foreign_files_are_refused(tmp_path, llm, caplog):
         assert warm.num_cached_tokens == 0  # the chain starts with the refused block
         assert warm.outputs[0].token_ids == expected
         assert not first_block.exists()  # refused files are deleted
-        assert restarted.llm_engine.kv_offload.num_refused == 1
+        assert disk_store(restarted).num_refused == 1
 
 
 def test_the_directory_stays_within_its_bound(tmp_path):
     llm = engine(tmp_path, kv_offload_max_bytes=3 * 16 * 46_080 + 3 * 200)  # three float32 blocks
     run(llm)
     llm.llm_engine.close()
-    store = llm.llm_engine.kv_offload
+    store = disk_store(llm)
     total = sum(f.stat().st_size for f in store.directory.glob("*.kv"))
     assert 0 < total <= store.max_bytes and store.num_blocks <= 3
 
@@ -131,30 +140,19 @@ def test_warm_up_file_makes_the_first_request_hit(tmp_path):
     assert first.num_cached_tokens >= len(first.prompt_token_ids) - 16
 
 
-class FakeDisk:
-    """The disk tier's contract, in memory: what was saved can be loaded."""
-
-    def __init__(self) -> None:
-        self.saved: dict[bytes, int] = {}
-
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.saved
-
-    def save(self, block_id: int, block_hash: bytes) -> None:
-        self.saved[block_hash] = block_id
-
-    def load(self, block_id: int, block_hash: bytes) -> bool:
-        return block_hash in self.saved
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 90)), min_size=1, max_size=30))
 def test_the_pool_stays_whole_with_a_disk_tier(ops):
     """Requests of a few shared prompt families come and go in a small pool: blocks move to the
-    fake disk and back; no block is owned twice, hashes stay consistent, all come home."""
-    manager = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True, disk=FakeDisk())
+    disk index and back (what was saved is staged before the next lookup, as if the disk held
+    it); no block is owned twice, hashes stay consistent, all come home; each step's loads go
+    into blocks that hold the loaded hash, once each."""
+    disk = DiskIndex()
+    manager = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True, disk=disk)
+    on_disk: set[bytes] = set()
     live: list[Request] = []
     for index, (family, length) in enumerate(ops):
+        disk.set_staged(set(on_disk))
         request = Request(
             str(index), [family] * 3 + list(range(length % 40)), SamplingParams(), frozenset(), 8
         )
@@ -172,6 +170,11 @@ def test_the_pool_stays_whole_with_a_disk_tier(ops):
         holders = Counter(b.block_id for r in live for b in manager.req_to_blocks[r.req_id])
         for block in manager.block_pool.blocks:  # each reference is one live request's
             assert block.ref_cnt == holders.get(block.block_id, 0), block
+        transfers = manager.take_kv_transfers() or KVTransfers()
+        on_disk.update(block_hash for _, block_hash in transfers.saves)
+        for block_id, block_hash in transfers.loads:
+            assert block_hash in on_disk
+            assert manager.block_pool.blocks[block_id].block_hash == block_hash
     for request in live:
         manager.free(request)
     manager.block_pool.check_integrity()
@@ -256,30 +259,68 @@ def test_a_directory_turned_read_only_is_misses_and_schedule_touches_no_file(
         refused = run(small, PROMPT_B)
         for i in range(4):  # evictions: writes that fail
             run(small, "".join(f"Unrelated filler text number {i}, part {j}. " for j in range(30)))
-        small.llm_engine.kv_offload.flush()
+        disk_store(small).flush()
     assert warm.num_cached_tokens > 300 and warm.outputs[0].token_ids == expected[0]
     assert refused.num_cached_tokens == 0 and refused.outputs[0].token_ids == expected[1]
     assert "cannot touch" in caplog.text and "cannot delete" in caplog.text
-    assert "served read-only" in caplog.text and small.llm_engine.kv_offload.read_only
+    assert "served read-only" in caplog.text and disk_store(small).read_only
     assert touched == []
     small.llm_engine.close()
     small.llm_engine.kv_cache_manager.block_pool.check_integrity()
 
 
-def tiny_store(directory: Path, max_staged_blocks: int = 8) -> DiskKVStore:
+def tiny_mover(directory: Path, max_staged_blocks: int = 8) -> KVOffloadMover:
     """A disk tier over a 4-block cache of one layer: no model needed."""
     caches = [tuple(torch.randn(4, 2, 3) for _ in range(2))]
-    return DiskKVStore(directory, 1 << 20, "ab" * 16, caches, max_staged_blocks)
+    store = DiskKVStore(
+        directory, 1 << 20, "ab" * 16, KVOffloadMover.payload_nbytes(caches), max_staged_blocks
+    )
+    return KVOffloadMover(store, caches)
 
 
 HASHES = [bytes([i]) * 32 for i in range(4)]
 
 
+def test_the_index_hands_over_a_steps_copies_in_order():
+    """The scheduler side: a load needs a staged hash, once; a block evicted and then loaded into
+    saves first; a block loaded and evicted within one step moves nothing."""
+    index = DiskIndex()
+    a, b, c = (bytes([i]) * 32 for i in range(3))
+    index.set_staged({a, b})
+    assert c not in index and not index.load(5, c)
+    index.save(3, c)  # the pool evicts block 3 (hash c)...
+    assert index.load(3, a)  # ...and gives it to a disk hit
+    assert a not in index and not index.load(4, a)
+    assert index.load(6, b)
+    index.save(6, b)  # block 6, loaded this step, evicted again
+    assert index.take_transfers() == KVTransfers(saves=[(3, c)], loads=[(3, a)])
+    assert index.take_transfers() is None
+
+
+def test_the_mover_saves_a_block_before_loading_into_it(tmp_path):
+    """The worker side of the same step: block 0's bytes reach the disk, then block 0 holds the
+    loaded block; a load of a block not staged is a bug, raised, never garbage computed on."""
+    mover = tiny_mover(tmp_path)
+    mover.start()
+    mover.save(1, HASHES[1])
+    assert mover.store.flush(30) and mover.stage([[HASHES[1]]]) == [HASHES[1]]
+    old, loaded = ([t[i].clone() for t in mover.kv_caches[0]] for i in (0, 1))
+    mover.apply(KVTransfers(saves=[(0, HASHES[0])], loads=[(0, HASHES[1])]))
+    assert all(torch.equal(t[0], x) for t, x in zip(mover.kv_caches[0], loaded, strict=True))
+    assert mover.store.flush(30) and mover.stage([[HASHES[0]]]) == [HASHES[0]]
+    mover.apply(KVTransfers(loads=[(2, HASHES[0])]))
+    assert all(torch.equal(t[2], x) for t, x in zip(mover.kv_caches[0], old, strict=True))
+    with pytest.raises(RuntimeError, match="not staged"):
+        mover.apply(KVTransfers(loads=[(2, HASHES[0])]))
+    mover.store.close()
+
+
 def test_fifo_sparse_file_link_and_directory_under_block_names_are_refused_at_once(tmp_path, caplog):
-    store = tiny_store(tmp_path)
-    store.start()
+    mover = tiny_mover(tmp_path)
+    store = mover.store
+    mover.start()
     for block_id, block_hash in enumerate(HASHES):
-        store.save(block_id, block_hash)
+        mover.save(block_id, block_hash)
     assert store.flush(30)
     paths = [store._path(h) for h in HASHES]
     for path in paths:
@@ -291,9 +332,9 @@ def test_fifo_sparse_file_link_and_directory_under_block_names_are_refused_at_on
     paths[3].mkdir()
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="pagedllm.worker.kv_offload"):
-        store.stage([[h] for h in HASHES])
+        assert mover.stage([[h] for h in HASHES]) == []
     assert time.monotonic() - start < 1.5  # refused, not waited for
-    assert not any(h in store for h in HASHES) and not any(store.load(0, h) for h in HASHES)
+    assert not any(h in store for h in HASHES) and not any(mover.load(0, h) for h in HASHES)
     assert store.num_refused == 4 and store.num_blocks == 0
     assert "(not a regular file); deleted" in caplog.text
     assert caplog.text.count("does not match this cache") == 1  # a line a minute, not one a file
@@ -305,8 +346,9 @@ def test_a_full_disk_leaves_no_tmp_files_and_stale_ones_are_swept(tmp_path, monk
     stale = tmp_path / ("ab" * 16) / f"{HASHES[0].hex()}.999.0.tmp"
     stale.parent.mkdir()
     stale.write_bytes(b"cut short")
-    store = tiny_store(tmp_path)
-    store.start()
+    mover = tiny_mover(tmp_path)
+    store = mover.store
+    mover.start()
     assert not stale.exists()
 
     def full(fd, data):
@@ -315,26 +357,26 @@ def test_a_full_disk_leaves_no_tmp_files_and_stale_ones_are_swept(tmp_path, monk
     monkeypatch.setattr(os, "write", full)
     with caplog.at_level(logging.WARNING, logger="pagedllm.worker.kv_offload"):
         for block_id, block_hash in enumerate(HASHES):
-            store.save(block_id, block_hash)
+            mover.save(block_id, block_hash)
         assert store.flush(30)
     assert list(stale.parent.iterdir()) == [] and store.num_blocks == 0 and not store.read_only
     assert caplog.text.count("it is not kept") == 1  # once, not once a block
     monkeypatch.undo()
-    store.save(0, HASHES[0])  # space again: written
+    mover.save(0, HASHES[0])  # space again: written
     assert store.flush(30) and store.num_blocks == 1
-    store.stage([[HASHES[0]]])
-    assert store.load(3, HASHES[0])
-    for cache in store.kv_caches[0]:
+    assert mover.stage([[HASHES[0]]]) == [HASHES[0]]
+    mover.apply(KVTransfers(loads=[(3, HASHES[0])]))
+    for cache in mover.kv_caches[0]:
         assert torch.equal(cache[3], cache[0])
     store.close()
 
 
 def test_a_directory_that_cannot_be_written_is_served_read_only(tmp_path, monkeypatch, caplog):
-    writable = tiny_store(tmp_path)
+    writable = tiny_mover(tmp_path)
     writable.start()
     writable.save(1, HASHES[1])
-    assert writable.flush(30)
-    writable.close()
+    assert writable.store.flush(30)
+    writable.store.close()
     before = sorted(p.name for p in writable.directory.iterdir())
 
     open_file = os.open
@@ -347,14 +389,15 @@ def test_a_directory_that_cannot_be_written_is_served_read_only(tmp_path, monkey
     monkeypatch.setattr(os, "open", no_writes)
     for name in ("utime", "unlink", "replace"):
         monkeypatch.setattr(os, name, raise_erofs)
-    store = tiny_store(tmp_path)
+    mover = tiny_mover(tmp_path)
+    store = mover.store
     with caplog.at_level(logging.WARNING, logger="pagedllm.worker.kv_offload"):
-        store.start()
+        mover.start()
     assert store.read_only and "is not writable (Read-only file system): served read-only" in caplog.text
-    store.save(0, HASHES[0])  # nothing copied, nothing queued
-    store.stage([[HASHES[1]]])
-    assert store.load(2, HASHES[1])
-    store.close()
+    mover.save(0, HASHES[0])  # nothing copied, nothing queued
+    assert mover.stage([[HASHES[1]]]) == [HASHES[1]]
+    assert mover.load(2, HASHES[1])
+    assert mover.close([]) == (1, store.num_bytes)
     assert sorted(p.name for p in writable.directory.iterdir()) == before
 
 

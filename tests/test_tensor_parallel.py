@@ -16,6 +16,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.server_process import ServerProcess
+from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.distributed import shm_all_reduce
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
@@ -151,6 +152,36 @@ def test_a_shut_down_llm_lets_another_start_in_the_same_process(tiny_model, tp1)
     llm.shutdown()
     llm.shutdown()  # idempotent
     assert not dist.is_initialized()
+
+
+def test_the_disk_tier_with_two_ranks_serves_a_restart_as_tp1(tiny_model, tp1, tmp_path):
+    """--kv-offload-dir with TP=2: each rank keeps its share of the KV heads under its own
+    fingerprint; a restart over the directory loads prefix hits from disk on both ranks (a rank
+    that loaded the wrong bytes, or none, would change the tokens) and gives TP=1's greedy tokens."""
+    args = {
+        **ENGINE_ARGS,
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+        "kv_offload_dir": str(tmp_path / "kv"),
+    }
+    with LLM(tiny_model, **args) as first:  # leaving `with`: every cached block saved, on both ranks
+        first.generate(PROMPTS, GREEDY, use_tqdm=False)
+    rank_dirs = list((tmp_path / "kv").iterdir())
+    assert len(rank_dirs) == 2
+    assert sorted(p.name for p in rank_dirs[0].glob("*.kv")) == sorted(
+        p.name for p in rank_dirs[1].glob("*.kv")
+    )
+    with LLM(tiny_model, **args) as restarted:
+        outputs = restarted.generate(PROMPTS, GREEDY, use_tqdm=False)
+        num_disk_hit_tokens = restarted.llm_engine.get_stats().num_disk_hit_tokens
+        tokenize = restarted.get_tokenizer()
+    hash_fn = get_hash_function("sha256")
+    hittable = {h for p in PROMPTS for h in extend_hashes([], tokenize(p).input_ids[:-1], 16, hash_fn)}
+    # most prompt blocks come from disk (under this small pool's preemptions, one evicted after
+    # its request's staging is computed instead)
+    assert num_disk_hit_tokens > 16 * len(hittable) // 2 > 0
+    for i, (output, reference) in enumerate(zip(outputs, tp1.tokens, strict=True)):
+        assert output.outputs[0].token_ids == reference, f"prompt {i}: TP=2 from disk departs from TP=1"
 
 
 def test_an_untied_lm_head_splits_by_vocabulary_too(tmp_path):

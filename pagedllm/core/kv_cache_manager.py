@@ -10,19 +10,12 @@ preempted is the scheduler's business; which physical block is which is the pool
 from __future__ import annotations
 
 from itertools import takewhile
-from typing import Protocol
 
 from pagedllm.core.block_hash import BlockHash, extend_block_hashes, get_hash_function
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.disk_index import DiskIndex
+from pagedllm.core.outputs import KVTransfers
 from pagedllm.request import Request
-
-
-class DiskTier(Protocol):
-    """Where cached blocks go when evicted (worker/kv_offload.py): hashes in, K/V bytes moved."""
-
-    def __contains__(self, block_hash: BlockHash) -> bool: ...
-    def save(self, block_id: int, block_hash: BlockHash) -> None: ...
-    def load(self, block_id: int, block_hash: BlockHash) -> bool: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,8 +29,10 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         hash_algo: str = "sha256",
-        disk: DiskTier | None = None,
+        disk: DiskIndex | None = None,
     ) -> None:
+        """`disk`: the disk tier's index (evicted cached blocks are saved to it, lookups load
+        from it); None: no disk tier."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -68,17 +63,30 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
+        blocks, uncached = self._cached_prefix(request)
+        if self.disk is not None and uncached:
+            blocks += self._bring_back(uncached, blocks)
+        return blocks, len(blocks) * self.block_size
+
+    def uncached_hashes(self, request: Request) -> list[BlockHash]:
+        """The hashes a lookup of `request` would ask the disk tier for now: those of its
+        hittable blocks after the run cached in memory (the engine has them staged)."""
+        if not self.enable_caching:
+            return []
+        return self._cached_prefix(request)[1]
+
+    def _cached_prefix(self, request: Request) -> tuple[list[KVCacheBlock], list[BlockHash]]:
+        """The leading blocks of `request` cached in memory, and the hashes of its hittable
+        blocks after them (at least the last token is left to compute)."""
         self._hash_request(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
         blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        if self.disk is not None and len(blocks) < max_hit_blocks:
-            blocks += self._bring_back(request.block_hashes[len(blocks) : max_hit_blocks], blocks)
-        return blocks, len(blocks) * self.block_size
+        return blocks, hashes[len(blocks) :]
 
     def _bring_back(self, hashes: list[BlockHash], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """The leading `hashes` the disk tier holds, each loaded into a fresh block that becomes an
@@ -117,6 +125,14 @@ class KVCacheManager:
         assert self.disk is not None
         self._from_disk.discard(block_id)
         self.disk.save(block_id, block_hash)
+
+    def take_kv_transfers(self) -> KVTransfers | None:
+        """The disk tier's copies the lookups and evictions since the last call recorded."""
+        return self.disk.take_transfers() if self.disk is not None else None
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """Every cached block as (block_id, hash): what a graceful shutdown saves."""
+        return [(block.block_id, h) for h, block in self.block_pool.cached_block_hash_to_block.items()]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

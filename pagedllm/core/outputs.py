@@ -38,6 +38,17 @@ class CachedRequestData:
         self.num_computed_tokens.append(num_computed_tokens)
 
 
+@dataclass(frozen=True)
+class KVTransfers:
+    """Block copies between the KV cache and the disk tier (worker/kv_offload/), as
+    (block_id, block_hash) pairs, that every rank does at the start of the step, before its
+    forward: saves first (a block evicted this step may be reused by this step's forward), then
+    loads (a lookup's disk hit, into a fresh block)."""
+
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
+    loads: list[tuple[int, bytes]] = field(default_factory=list)
+
+
 @dataclass
 class SchedulerOutput:
     """One step, in ids and counts: a delta to the runner's input batch (new requests whole,
@@ -53,6 +64,8 @@ class SchedulerOutput:
     """Requests whose blocks a preemption took this step; the runner drops their rows too."""
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step; the runner drops their state."""
+    kv_transfers: KVTransfers | None = None
+    """The disk tier's copies before this step's forward (None: none)."""
 
 
 @dataclass(frozen=True)

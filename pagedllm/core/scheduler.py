@@ -116,6 +116,7 @@ class Scheduler:
             token_budget = self._schedule_waiting(token_budget, output)
         output.total_num_scheduled_tokens = self.config.token_budget - token_budget
         output.preempted_req_ids = [r.req_id for r in preempted]
+        output.kv_transfers = self.kv_cache_manager.take_kv_transfers()
         return output
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:

@@ -82,6 +82,12 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def gather(self, obj: object) -> list[object] | None:
+        """Rank 0: every rank's obj, in rank order; others: None (pickled, over the control group)."""
+        objects: list[object] | None = [None] * self.world_size if self.is_driver else None
+        dist.gather_object(obj, objects, dst=0, group=self.control)
+        return objects
+
 
 def init_tp_group(
     rank: int, world_size: int, address: str, port: int, device: torch.device, all_reduce_bytes: int

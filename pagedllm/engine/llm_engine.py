@@ -4,6 +4,9 @@
                    rank 0: -> sampler)
                 -> Scheduler.update_from_output -> OutputProcessor (text, stop strings)
 
+With --kv-offload-dir, each step first has every rank stage the disk tier's candidate blocks
+(Executor.stage_kv_offload), and tells the scheduler's DiskIndex which ones all ranks hold.
+
 The offline LLM class and the server's engine loop both drive this object; it is not
 thread-safe: one thread calls it.
 """
@@ -15,14 +18,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.disk_index import DiskIndex
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.executor import Executor, make_executor
+from pagedllm.executor import Executor, WorkerDiedError, make_executor
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
@@ -34,7 +37,6 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import RequestGrammar
 from pagedllm.tokenizer import load_tokenizer, workload_prompts
 from pagedllm.worker.kv_cache import KVCachePlan
-from pagedllm.worker.kv_offload import DiskKVStore, fingerprint
 from pagedllm.worker.worker import Worker
 from pagedllm.workload import load_workload
 
@@ -63,12 +65,12 @@ class LLMEngine:
         self.executor: Executor = make_executor(self.config, folder, self.model_config)
         self.executor.start(max_model_len)
         try:
-            self._set_up(folder, max_model_len, start)
+            self._set_up(max_model_len, start)
         except BaseException:
             self.executor.shutdown()  # ranks 1.. must not wait for a step that never comes
             raise
 
-    def _set_up(self, folder: Path, max_model_len: int, start: float) -> None:
+    def _set_up(self, max_model_len: int, start: float) -> None:
         """Everything after the ranks started: the cache manager, scheduler, outputs, warm-up."""
         assert self.executor.driver_worker is not None and self.executor.kv_cache_plan is not None
         self.worker: Worker = self.executor.driver_worker
@@ -76,13 +78,14 @@ class LLMEngine:
         self.kv_cache_plan: KVCachePlan = self.executor.kv_cache_plan
         self._log_startup_report(time.monotonic() - start)
 
-        self.kv_offload = self._open_kv_offload(folder) if self.config.kv_offload_dir else None
+        self.disk_index = DiskIndex() if self.config.kv_offload_dir else None
+        """The disk tier as the scheduler sees it (every rank opened its files at start-up)."""
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_plan.num_blocks,
             self.config.block_size,
             self.config.enable_prefix_caching,
             self.config.prefix_caching_hash_algo,
-            disk=self.kv_offload,
+            disk=self.disk_index,
         )
         self.divergence = (
             DivergenceFinder(
@@ -196,7 +199,7 @@ class LLMEngine:
         """One step of every running request. A request whose own part fails (its sampling, its
         detokenization) ends with finish_reason "error" and the others go on; anything else raised
         here leaves the engine's state unknown, and the caller must stop using it."""
-        if self.kv_offload is not None:
+        if self.disk_index is not None:
             self._stage_disk_hits()
         scheduler_output = self.scheduler.schedule()
         grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output)
@@ -253,30 +256,32 @@ class LLMEngine:
             self.executor.shutdown()
 
     def _stage_disk_hits(self) -> None:
-        """Before schedule(): the disk tier reads the blocks its lookups may hit (each candidate's
-        hashes after those cached in memory), so schedule() itself touches no file."""
-        assert self.kv_offload is not None
-        pool = self.kv_cache_manager.block_pool
-        chains = []
-        for request in self.scheduler.admission_candidates():
-            hashes = request.block_hashes[: (request.num_tokens - 1) // self.config.block_size]
-            num_in_memory = sum(1 for _ in itertools.takewhile(pool.get_cached_block, hashes))
-            chains.append(hashes[num_in_memory:])
-        self.kv_offload.stage(chains)
+        """Before schedule(): every rank's disk tier reads the blocks the lookups may hit (each
+        candidate's hashes after those cached in memory), so schedule() itself touches no file;
+        the scheduler may load what all ranks staged."""
+        assert self.disk_index is not None
+        candidates = self.scheduler.admission_candidates()
+        chains = [c for r in candidates if (c := self.kv_cache_manager.uncached_hashes(r))]
+        if not chains and not self.disk_index.has_staged:
+            return  # nothing to read, nothing staged to let go: no call to the ranks
+        self.disk_index.set_staged(self.executor.stage_kv_offload(chains))
 
     def _save_kv_offload(self) -> None:
-        if self.kv_offload is None:
+        if self.disk_index is None:
             return
-        cached = self.kv_cache_manager.block_pool.cached_block_hash_to_block
-        for block_hash, block in cached.items():
-            self.kv_offload.save(block.block_id, block_hash)
-        self.kv_offload.close()
+        cached = self.kv_cache_manager.cached_blocks()
+        try:
+            num_blocks, num_bytes = self.executor.close_kv_offload(cached)
+        except WorkerDiedError as error:  # a rank is gone: its share cannot be written
+            logger.warning("KV offload: cached blocks not written at shutdown (%s)", error)
+            return
         logger.info(
-            "KV offload: %d cached blocks written; %d blocks (%.2f GiB) in %s",
+            "KV offload: %d cached blocks written; %d blocks (%.2f GiB%s) in %s",
             len(cached),
-            self.kv_offload.num_blocks,
-            self.kv_offload.num_bytes / 2**30,
-            self.kv_offload.directory,
+            num_blocks,
+            num_bytes / 2**30,
+            f" over {self.executor.tp_size} ranks" if self.executor.tp_size > 1 else "",
+            self.config.kv_offload_dir,
         )
 
     def set_failure_callback(self, on_failure: Callable[[BaseException], None]) -> None:
@@ -310,35 +315,6 @@ class LLMEngine:
                 model_config.sliding_window,
             )
         return max_model_len
-
-    def _open_kv_offload(self, folder: Path) -> DiskKVStore:
-        spec = self.kv_cache_plan.spec
-        key = fingerprint(
-            folder,
-            (
-                self.worker.dtype,
-                spec.cache_dtype,
-                spec.num_layers,
-                spec.num_kv_heads,
-                spec.head_dim,
-                spec.block_size,
-                self.config.prefix_caching_hash_algo,
-            ),
-        )
-        assert self.config.kv_offload_dir is not None
-        assert self.worker.runner is not None, "the KV cache is allocated before the disk tier opens"
-        store = DiskKVStore(
-            self.config.kv_offload_dir,
-            int(self.config.kv_offload_max_bytes),
-            key,
-            self.worker.runner.kv_caches,
-            # one longest request's prefix in memory between its read and its load
-            max_staged_blocks=min(
-                self.kv_cache_plan.num_blocks, spec.blocks_per_sequence(self.max_model_len)
-            ),
-        )
-        store.start()
-        return store
 
     def _log_startup_report(self, load_seconds: float) -> None:
         plan: KVCachePlan = self.kv_cache_plan

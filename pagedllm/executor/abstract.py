@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.structured_output.bitmask import GrammarBitmask
@@ -22,7 +23,8 @@ class WorkerDiedError(RuntimeError):
 
 class Executor(ABC):
     """Rank 0's Worker lives in this process (`driver_worker`: its dtype, device, weights and KV
-    tensors are what the engine reports and the disk tier reads); the others, if any, elsewhere."""
+    tensors are what the engine reports); the others, if any, elsewhere. Each rank's disk tier
+    (--kv-offload-dir) is its own: the engine reaches them all through the kv_offload calls."""
 
     def __init__(self, config: EngineConfig, model_folder: Path, model_config: ModelConfig) -> None:
         self.config = config
@@ -42,6 +44,18 @@ class Executor(ABC):
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
         """One step on every rank; rank 0's sampled tokens (the bitmask is rank 0's alone)."""
+
+    @abstractmethod
+    def stage_kv_offload(self, chains: list[list[BlockHash]]) -> set[BlockHash]:
+        """Before schedule(), with --kv-offload-dir: every rank's disk tier reads the blocks the
+        next lookups may take (`chains`: per candidate, its hashes after those cached in
+        memory); returns the hashes every rank staged, which the scheduler may load."""
+
+    @abstractmethod
+    def close_kv_offload(self, saves: list[tuple[int, BlockHash]]) -> tuple[int, int]:
+        """At a graceful shutdown, with --kv-offload-dir: every rank saves these cached blocks
+        (block_id, hash) and waits (bounded) for its writes; the blocks and bytes then on disk,
+        summed over the ranks."""
 
     @abstractmethod
     def set_failure_callback(self, on_failure: FailureCallback) -> None:

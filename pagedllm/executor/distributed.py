@@ -13,9 +13,12 @@ import atexit
 import logging
 import threading
 from abc import abstractmethod
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import (
     check_no_tp_group,
@@ -23,9 +26,16 @@ from pagedllm.distributed.parallel_state import (
     free_port,
 )
 from pagedllm.executor.abstract import Executor, FailureCallback, WorkerDiedError
-from pagedllm.executor.rank_main import RankSpec, StepInput, make_rank_worker
+from pagedllm.executor.rank_main import (
+    CloseKVOffload,
+    RankSpec,
+    StageKVOffload,
+    StepInput,
+    make_rank_worker,
+)
 from pagedllm.model.config import ModelConfig
 from pagedllm.structured_output.bitmask import GrammarBitmask
+from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +121,39 @@ class DistributedExecutor(Executor):
             raise self._failure_after(error) from error
         self._last_sampled = output.sampled_token_ids
         return output
+
+    def stage_kv_offload(self, chains: list[list[BlockHash]]) -> set[BlockHash]:
+        worker = self._started_driver()
+        staged = self._call_every_rank(StageKVOffload(chains), lambda: worker.stage_kv_offload(chains))
+        return set.intersection(*(set(cast(list[BlockHash], hashes)) for hashes in staged))
+
+    def close_kv_offload(self, saves: list[tuple[int, BlockHash]]) -> tuple[int, int]:
+        worker = self._started_driver()
+        counts = [
+            cast(tuple[int, int], c)
+            for c in self._call_every_rank(CloseKVOffload(saves), lambda: worker.close_kv_offload(saves))
+        ]
+        return sum(blocks for blocks, _ in counts), sum(nbytes for _, nbytes in counts)
+
+    def _started_driver(self) -> Worker:
+        assert self.driver_worker is not None and self.driver_worker.tp is not None, "start() first"
+        return self.driver_worker
+
+    def _call_every_rank(
+        self, call: StageKVOffload | CloseKVOffload, on_driver: Callable[[], object]
+    ) -> list[object]:
+        """Broadcast `call` to ranks 1.., run `on_driver` here; every rank's answer, in rank order."""
+        tp = self._started_driver().tp
+        assert tp is not None
+        if self._failure is not None:
+            raise self._failure
+        try:
+            tp.broadcast(call)
+            answers = tp.gather(on_driver())
+        except Exception as error:
+            raise self._failure_after(error) from error
+        assert answers is not None
+        return answers
 
     def set_failure_callback(self, on_failure: FailureCallback) -> None:
         self._on_failure = on_failure

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.distributed.parallel_state import destroy_tp_group, host_cores, init_tp_group, rank_threads
 from pagedllm.logger import configure_logging
@@ -48,6 +49,20 @@ class StepInput:
     sampled_token_ids: dict[str, int]
 
 
+@dataclass(frozen=True)
+class StageKVOffload:
+    """Before a schedule(): stage these chains in the disk tier, send back the staged hashes."""
+
+    chains: list[list[BlockHash]]
+
+
+@dataclass(frozen=True)
+class CloseKVOffload:
+    """A graceful shutdown: save these cached blocks, wait for the writes, send back the counts."""
+
+    saves: list[tuple[int, BlockHash]]
+
+
 def make_rank_worker(spec: RankSpec, config: EngineConfig, model_config: ModelConfig, folder: Path) -> Worker:
     """Join the group and build this rank's Worker (rank 0 too: the executor calls this)."""
     device = resolve_device(config.device)
@@ -68,6 +83,8 @@ def make_rank_worker(spec: RankSpec, config: EngineConfig, model_config: ModelCo
     assert config.max_model_len is not None  # the engine resolved it
     worker.load_model(max_position=config.max_model_len)
     worker.initialize_cache(worker.plan_kv_cache(config.max_model_len))
+    if config.kv_offload_dir:
+        worker.open_kv_offload()
     return worker
 
 
@@ -78,10 +95,16 @@ def run_rank(spec: RankSpec, config: EngineConfig) -> None:
     worker = make_rank_worker(spec, config, ModelConfig.from_folder(folder), folder)
     assert worker.tp is not None
     num_steps = 0
-    while (step := worker.tp.broadcast(None)) is not None:
-        assert isinstance(step, StepInput)
-        worker.append_sampled(step.sampled_token_ids)
-        worker.execute_model(step.scheduler_output)
+    while (call := worker.tp.broadcast(None)) is not None:
+        if isinstance(call, StageKVOffload):
+            worker.tp.gather(worker.stage_kv_offload(call.chains))
+            continue
+        if isinstance(call, CloseKVOffload):
+            worker.tp.gather(worker.close_kv_offload(call.saves))
+            continue
+        assert isinstance(call, StepInput)
+        worker.append_sampled(call.sampled_token_ids)
+        worker.execute_model(call.scheduler_output)
         num_steps += 1
     logger.info("Rank %d stops after %d steps", spec.rank, num_steps)
     destroy_tp_group()

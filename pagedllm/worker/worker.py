@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.attention.backend import CpuKernelBackend
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.model.config import ModelConfig
@@ -33,6 +34,7 @@ from pagedllm.worker.kv_cache import (
     plan_kv_cache,
     resolve_cache_dtype,
 )
+from pagedllm.worker.kv_offload import KVOffloadMover, open_mover
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class Worker:
         self.packed_copy_bytes = 0  # a tied lm_head's packed copy, beside the embedding it shares
         self.runner: ModelRunner | None = None
         self.kv_cache_plan: KVCachePlan | None = None
+        self.kv_offload: KVOffloadMover | None = None
+        """This rank's disk tier (--kv-offload-dir), once open_kv_offload() ran."""
         self.cpu_threads = (
             CPUThreads(config.num_threads, config.cpu_cores) if self.device.type == "cpu" else None
         )
@@ -134,7 +138,36 @@ class Worker:
         assert self.runner is not None, "initialize_cache() first"
         if self.cpu_threads is not None:
             self.cpu_threads.adjust()
+        if scheduler_output.kv_transfers is not None:  # before the forward, which may reuse the blocks
+            assert self.kv_offload is not None, "a disk tier's transfers without one"
+            self.kv_offload.apply(scheduler_output.kv_transfers)
         return self.runner.execute_model(scheduler_output, grammar_bitmask)
+
+    # ---- the disk tier (--kv-offload-dir): this rank's share of every block ------------------
+
+    def open_kv_offload(self) -> None:
+        """After initialize_cache(): open this rank's disk tier and start its threads (see
+        kv_offload.open_mover; with tensor parallelism, its fingerprint names the rank).
+
+        Raises:
+            ValueError: naming --kv-offload-dir, when the directory cannot be created.
+        """
+        assert self.runner is not None and self.kv_cache_plan is not None, "initialize_cache() first"
+        rank = (self.tp.rank, self.tp.world_size) if self.tp is not None else None
+        self.kv_offload = open_mover(
+            self.config, self.model_folder, self.dtype, self.kv_cache_plan, self.runner.kv_caches, rank
+        )
+
+    def stage_kv_offload(self, chains: list[list[BlockHash]]) -> list[BlockHash]:
+        """Read the blocks the next schedule() may load; the hashes staged (see DiskKVStore.stage)."""
+        assert self.kv_offload is not None, "open_kv_offload() first"
+        return self.kv_offload.stage(chains)
+
+    def close_kv_offload(self, saves: list[tuple[int, BlockHash]]) -> tuple[int, int]:
+        """A graceful shutdown: these cached blocks saved, the writes waited for (bounded);
+        the blocks and bytes now on disk."""
+        assert self.kv_offload is not None, "open_kv_offload() first"
+        return self.kv_offload.close(saves)
 
     def _cuda_budget_bytes(self) -> int:
         """device memory x utilization - (weights + activation peak + memory outside torch)."""

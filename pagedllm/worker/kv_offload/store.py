@@ -1,31 +1,22 @@
-"""The prefix cache's disk tier: cached blocks that leave memory go to files, and come back.
+"""DiskKVStore: one rank's block files by chained hash, and the two threads that do all its
+file I/O. It deals in bytes (a block's K/V payload), never in cache tensors: the mover copies.
 
-    evicted from the pool     -> save(block, hash): K/V copied out now, written by the writer thread
-    before each schedule()    -> stage(chains): the reader thread reads the blocks the waiting
-                                 requests may hit, and checks them; a bounded wait for it
-    a prefix lookup           -> `hash in store`, load(block, hash): staged bytes copied into a
-                                 fresh block; schedule() never touches a file
-    graceful shutdown         -> save every cached block, then wait (bounded) for the writes
-    next start, same dir      -> the file names are the index: the first requests hit
+    save(hash, payload)   queued; the writer thread writes it (.tmp, then renamed), evicting the
+                          least recently used files past max_bytes
+    stage(chains)         the reader thread reads and checks the leading run of each chain that
+                          is on disk; a bounded wait; returns what is staged (readable now)
+    take(hash)            a staged payload, without touching a file
+    start / close         index the directory (sweeping stale .tmp files) / flush, bounded
 
-A file holds one block of every layer's K and V (scales included for 8-bit caches), keyed by the
-block's chained content hash, under DIR/<fingerprint>/. The fingerprint covers what makes bytes
-reusable: the model's config and weight files, the dtype, the KV cache dtype and shape, the block
-size and the hash function. Each file carries the fingerprint and a CRC32 of its payload. The
-directory is bounded by max_bytes: least recently used files go first.
-
-The tier can cost hits, never the engine: a file is read only if lstat and fstat say it is a
-regular file of exactly a block file's size (opened O_NONBLOCK|O_NOFOLLOW: a FIFO or a link under
-a block's name cannot block or redirect the read); one that does not match is refused (never
-loaded into a wrong cache) and deleted. Any OSError is a miss, warned about at most once a minute
-per kind. A directory that cannot be written is served read-only.
+The tier can cost hits, never the engine: any OSError is a miss, warned about at most once a
+minute per kind; a file that is not this block of this cache is refused (never loaded) and
+deleted; a directory that cannot be written is served read-only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import itertools
 import logging
 import os
@@ -33,78 +24,47 @@ import queue
 import stat
 import threading
 import time
-import zlib
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import torch
+from pagedllm.worker.kv_offload.files import (
+    BlockFileFormat,
+    RateLimitedWarnings,
+    mismatch,
+    read_exactly,
+    write_all,
+)
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"PGKV1\n"
 READ_WAIT_S = 2.0
 """Longest a step waits for staged reads; a read running longer marks the disk stuck, and steps
 stop waiting for it (what is not staged in time is computed instead)."""
 CLOSE_WAIT_S = 120.0
 """Longest a graceful shutdown waits for queued writes (a hung disk must not hang SIGTERM)."""
-WARN_INTERVAL_S = 60.0
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def fingerprint(model_folder: Path, parts: Iterable[object]) -> str:
-    """What must match for stored K/V to be reused: the model (config, weight file names and
-    sizes) and the cache's layout (`parts`: dtypes, shapes, block size, hash function)."""
-    digest = hashlib.sha256()
-    config = model_folder / "config.json"
-    digest.update(config.read_bytes() if config.is_file() else str(model_folder).encode())
-    for weights in sorted(model_folder.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
-    for part in parts:
-        digest.update(repr(part).encode())
-    return digest.hexdigest()[:32]
-
-
-class _RateLimitedWarnings:
-    """One line per message template a minute, with how many were held back: a failing disk
-    must not flood the log."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, template: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(template)
-            if last is not None and now - last < WARN_INTERVAL_S:
-                self._held[template] = self._held.get(template, 0) + 1
-                return
-            self._last[template] = now
-            held = self._held.pop(template, 0)
-        logger.warning(template + (f" ({held} more like it held back)" if held else ""), *args)
-
-
 class DiskKVStore:
-    """Blocks on disk by chained hash. The engine thread calls save, stage, `in` and load, which
-    never touch a file; the writer and reader threads (start() starts them) do all file I/O."""
+    """Blocks on disk by chained hash. The caller's thread (the worker's) calls save, stage, `in`
+    and take, which never touch a file; the writer and reader threads (start() starts them) do
+    all file I/O."""
 
     def __init__(
         self,
         directory: str | Path,
         max_bytes: int,
         fingerprint_hex: str,
-        kv_caches: Sequence[tuple[torch.Tensor, ...]],
+        payload_nbytes: int,
         max_staged_blocks: int,
     ) -> None:
+        """`payload_nbytes`: one block's K/V (every layer's, scales included) as stored."""
         self.fingerprint = fingerprint_hex
         self.root = Path(directory)
         self.directory = self.root / fingerprint_hex
         self.max_bytes = max_bytes
-        self.kv_caches = kv_caches
-        first = kv_caches[0][0][0]
-        self._block_nbytes = first.numel() * first.element_size() * sum(len(layer) for layer in kv_caches)
+        self.format = BlockFileFormat(fingerprint_hex, payload_nbytes)
         self.max_staged_blocks = max_staged_blocks
         """Most blocks held in memory between their read and their load (one stage()'s worth)."""
         self.read_only = False
@@ -122,7 +82,7 @@ class DiskKVStore:
         # (hash, payload) to write, an Event to set once everything before it is written, None: stop
         self._writes: queue.SimpleQueue[tuple[bytes, bytes] | threading.Event | None] = queue.SimpleQueue()
         self._tmp_names = itertools.count()
-        self._warnings = _RateLimitedWarnings()
+        self._warnings = RateLimitedWarnings(logger)
 
     def start(self) -> None:
         """Open the directory (created if missing, served read-only if it cannot be written),
@@ -144,24 +104,21 @@ class DiskKVStore:
     def num_blocks(self) -> int:
         return len(self._files)
 
-    # ---- the engine thread: no file I/O ----------------------------------------------------
+    # ---- the caller's thread: no file I/O ----------------------------------------------------
 
     def __contains__(self, block_hash: bytes) -> bool:
-        """Staged: loadable now, without touching a file."""
+        """Staged: takeable now, without touching a file."""
         with self._cond:
             return block_hash in self._staged
 
-    def load(self, block_id: int, block_hash: bytes) -> bool:
-        """Copy a staged block into `block_id`; False if it is not staged."""
+    def take(self, block_hash: bytes) -> memoryview | None:
+        """A staged block's payload (it is staged no more), or None if it is not staged."""
         with self._cond:
-            payload = self._staged.pop(block_hash, None)
-        if payload is None:
-            return False
-        self._copy_in(block_id, payload)
-        return True
+            return self._staged.pop(block_hash, None)
 
-    def save(self, block_id: int, block_hash: bytes) -> None:
-        """Copy one block's K/V out now (the caller is about to reuse the block); write later."""
+    def save(self, block_hash: bytes, read_payload: Callable[[], bytes]) -> None:
+        """Keep a block: `read_payload()` (its K/V, copied out now: the caller is about to reuse
+        the block) is called only if the block is not on disk or queued already; written later."""
         if self.read_only:
             return
         with self._cond:
@@ -171,14 +128,17 @@ class DiskKVStore:
             if block_hash in self._pending:
                 return
             self._pending.add(block_hash)
-        self._writes.put((block_hash, self._block_bytes(block_id)))
+        self._writes.put((block_hash, read_payload()))
 
-    def stage(self, chains: Iterable[list[bytes]]) -> None:
+    def stage(self, chains: Iterable[list[bytes]]) -> list[bytes]:
         """Have the blocks the next schedule() may load read and checked before it runs.
 
         Args:
             chains: per waiting request, its block hashes after those cached in memory; of
                 each, the leading run on disk is staged, up to max_staged_blocks in all.
+
+        Returns:
+            The staged hashes: what take() returns until the next stage().
 
         Staged blocks no chain wants any more are dropped. Waits at most READ_WAIT_S, and not
         at all while the reader is stuck on one file that long: what is not staged is a miss.
@@ -199,6 +159,7 @@ class DiskKVStore:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
+            return list(self._staged)
 
     def _wanted_blocks(self, chains: Iterable[list[bytes]]) -> list[bytes]:
         wanted: dict[bytes, None] = {}
@@ -231,19 +192,6 @@ class DiskKVStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    # ---- bytes in and out of the cache tensors -----------------------------------------------
-
-    def _block_bytes(self, block_id: int) -> bytes:
-        parts = [t[block_id] for layer in self.kv_caches for t in layer]
-        return torch.stack(parts).contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-    def _copy_in(self, block_id: int, payload: memoryview) -> None:
-        first = self.kv_caches[0][0][block_id]
-        data = torch.frombuffer(payload, dtype=torch.uint8).view(first.dtype)
-        data = data.view(-1, *first.shape).to(first.device)
-        for index, tensor in enumerate(t for layer in self.kv_caches for t in layer):
-            tensor[block_id].copy_(data[index])
 
     # ---- files: start-up ---------------------------------------------------------------------
 
@@ -331,16 +279,16 @@ class DiskKVStore:
         path = self._path(block_hash)
         size = self._file_nbytes(block_hash)
         try:
-            if reason := _mismatch(os.lstat(path), size):
+            if reason := mismatch(os.lstat(path), size):
                 self._refuse(block_hash, reason)
                 return None
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 # the file opened, not the one lstat saw: it may have been swapped since
-                if reason := _mismatch(os.fstat(fd), size):
+                if reason := mismatch(os.fstat(fd), size):
                     self._refuse(block_hash, reason)
                     return None
-                raw = _read_exactly(fd, size)
+                raw = read_exactly(fd, size)
                 if raw is not None and not self.read_only:
                     self._touch(fd, path)
             finally:
@@ -351,7 +299,7 @@ class DiskKVStore:
             )
             self._forget(block_hash)
             return None
-        payload = self._check(raw, block_hash) if raw is not None else None
+        payload = self.format.decode(raw, block_hash) if raw is not None else None
         if payload is None:
             self._refuse(block_hash, "fingerprint, size or checksum")
             return None
@@ -366,15 +314,6 @@ class DiskKVStore:
             os.utime(fd)
         except OSError as error:
             self._warnings.warn("KV offload: cannot touch %s (%s)", path, error.strerror or error)
-
-    def _check(self, raw: bytearray, block_hash: bytes) -> memoryview | None:
-        header = self._header(block_hash)
-        body = memoryview(raw)[len(header) + 4 :]
-        if raw[: len(header)] != header:  # its length is a block file's: read so
-            return None
-        if zlib.crc32(body) != int.from_bytes(raw[len(header) : len(header) + 4], "little"):
-            return None
-        return body
 
     def _refuse(self, block_hash: bytes, reason: str) -> None:
         """A file under a block's name that is not that block of this cache: never loaded."""
@@ -418,8 +357,8 @@ class DiskKVStore:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
-                _write_all(fd, self._header(block_hash) + zlib.crc32(payload).to_bytes(4, "little"))
-                _write_all(fd, payload)
+                write_all(fd, self.format.encode_prefix(block_hash, payload))
+                write_all(fd, payload)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -442,11 +381,8 @@ class DiskKVStore:
     def _path(self, block_hash: bytes) -> Path:
         return self.directory / f"{block_hash.hex()}.kv"
 
-    def _header(self, block_hash: bytes) -> bytes:
-        return MAGIC + bytes.fromhex(self.fingerprint) + block_hash
-
     def _file_nbytes(self, block_hash: bytes) -> int:
-        return len(self._header(block_hash)) + 4 + self._block_nbytes
+        return self.format.file_nbytes(block_hash)
 
     def _add_file(self, block_hash: bytes) -> None:
         """Counted at a block file's size whatever is there: a huge file under a block's name is
@@ -468,31 +404,3 @@ class DiskKVStore:
             pass
         except OSError as error:
             self._warnings.warn("KV offload: cannot delete %s (%s)", path, error.strerror or error)
-
-
-def _mismatch(info: os.stat_result, size: int) -> str | None:
-    """Why a file cannot be a block file of `size` bytes, or None."""
-    if not stat.S_ISREG(info.st_mode):
-        return "not a regular file"
-    if info.st_size != size:
-        return f"{info.st_size:,} bytes, not {size:,}"
-    return None
-
-
-def _read_exactly(fd: int, size: int) -> bytearray | None:
-    """`size` bytes, or None if the file ends sooner (it shrank since fstat)."""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    done = 0
-    while done < size:
-        count = os.readv(fd, [view[done:]])
-        if count == 0:
-            return None
-        done += count
-    return buffer
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
