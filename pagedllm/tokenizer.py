@@ -113,3 +113,13 @@ def workload_turns(
             turns.append((prompt_ids, prompt_ids + answer_ids[:-1]))
             messages.append({"role": "assistant", "content": answer})
     return turns
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most characters of text one token can stand for: its longest vocabulary entry (a
+    byte-level entry has a character per byte). None where a normalizer may fold any number of
+    characters into one token (collapsed spaces, dropped control characters): no bound then."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    return max(map(len, tokenizer.get_vocab()))

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.tokenizer import chat_prompt
+from pagedllm.tokenizer import chat_prompt, max_token_chars
 
 T = TypeVar("T")
 
@@ -28,6 +28,8 @@ class AsyncTokenizer:
         """template_time_budget: seconds a chat template may take to render (None: no limit)."""
         self.tokenizer = tokenizer
         self.template_time_budget = template_time_budget
+        self.max_chars_per_token = max_token_chars(tokenizer)
+        """Bounds a text's tokens from its length before it is tokenized (None: no bound)."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

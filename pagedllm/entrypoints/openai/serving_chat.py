@@ -37,7 +37,6 @@ from pagedllm.entrypoints.openai.serving_common import (
     choice_usage,
     collect_until_disconnected,
     event_stream,
-    max_token_chars,
     refuse_unsupported,
     sampling_params,
     sse,
@@ -78,7 +77,6 @@ class ServingChat:
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser
         self.truncate_history = truncate_history
-        self.max_chars_per_token = max_token_chars(tokenizer.tokenizer)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
@@ -112,7 +110,7 @@ class ServingChat:
         own_template = request.chat_template is None and "chat_template" not in (
             request.chat_template_kwargs or {}
         )
-        max_chars_per_token = self.max_chars_per_token if own_template else None
+        max_chars_per_token = self.tokenizer.max_chars_per_token if own_template else None
         cut = None
         if self.truncate_history and params.truncate_prompt_tokens is None:
             prompt, cut = await fit_history(

@@ -10,7 +10,6 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
-from transformers import PreTrainedTokenizerBase
 
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import error_json, to_api_error
@@ -91,16 +90,6 @@ def refuse_unsupported(request: SamplingFields, unsupported: dict[str, bool]) ->
     for name, asked in unsupported.items():
         if asked:
             raise ValueError(f"{name}: not supported by this server (yet); leave it out")
-
-
-def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The most characters of text one token can stand for: its longest vocabulary entry (a
-    byte-level entry has a character per byte). None where a normalizer may fold any number of
-    characters into one token (collapsed spaces, dropped control characters): no bound then."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.normalizer is not None:
-        return None
-    return max(map(len, tokenizer.get_vocab()))
 
 
 def check_prompt_chars(field: str, num_chars: int, max_tokens: int, max_chars_per_token: int | None) -> None:

@@ -27,7 +27,6 @@ from pagedllm.entrypoints.openai.serving_common import (
     choice_usage,
     collect_until_disconnected,
     event_stream,
-    max_token_chars,
     refuse_unsupported,
     sampling_params,
     sse,
@@ -44,7 +43,6 @@ class ServingCompletion:
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer
-        self.max_chars_per_token = max_token_chars(tokenizer.tokenizer)
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
@@ -171,7 +169,9 @@ class ServingCompletion:
             raise ValueError("prompt: the prompt is empty")
         if not truncated:
             for text in prompts:
-                check_prompt_chars("prompt", len(text), self.models.max_model_len, self.max_chars_per_token)
+                check_prompt_chars(
+                    "prompt", len(text), self.models.max_model_len, self.tokenizer.max_chars_per_token
+                )
         token_ids = await self.tokenizer.encode(prompts)
         return [
             {"prompt": text, "prompt_token_ids": ids} for text, ids in zip(prompts, token_ids, strict=True)
