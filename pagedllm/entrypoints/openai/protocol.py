@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from pagedllm import limits
+from pagedllm.outputs import Logprob
 
 
 class OpenAIModel(BaseModel):
@@ -271,19 +272,11 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float]] = Field(default_factory=list)
 
 
-class PromptLogprob(BaseModel):
-    """vLLM's form of one prompt token's candidates: {token id: this}."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = Field(
         default=None, exclude_if=lambda v: v is None
     )
     """With prompt_logprobs: per prompt token (None for the first), in a stream's first chunk."""

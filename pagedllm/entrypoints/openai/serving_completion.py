@@ -19,7 +19,6 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptLogprob,
 )
 from pagedllm.entrypoints.openai.serving_common import (
     DeltaTracker,
@@ -35,7 +34,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     usage,
 )
 from pagedllm.entrypoints.openai.serving_models import ServedModels
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
 
 
 class ServingCompletion:
@@ -78,7 +77,7 @@ class ServingCompletion:
                 index=index,
                 text=output.outputs[0].text,
                 logprobs=_logprobs(output, 0, len(output.outputs[0].token_ids), request.logprobs, 0),
-                prompt_logprobs=_prompt_logprobs(output),
+                prompt_logprobs=output.prompt_logprobs,
                 finish_reason=output.outputs[0].finish_reason,
                 stop_reason=output.outputs[0].stop_reason,
             )
@@ -113,7 +112,7 @@ class ServingCompletion:
             # the prompt is whole once a token follows it
             prompt_logprobs = None
             if index not in prompt_logprobs_sent and (completion.token_ids or completion.finished):
-                prompt_logprobs = _prompt_logprobs(output)
+                prompt_logprobs = output.prompt_logprobs
                 prompt_logprobs_sent.add(index)
             if (
                 not text
@@ -197,17 +196,3 @@ def _logprobs(
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
-
-
-def _prompt_logprobs(output: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
-    """vLLM's prompt_logprobs: per prompt token, None for the first (nothing comes before it)."""
-    if output.prompt_logprobs is None:
-        return None
-    return [None if entry is None else _prompt_entry(entry) for entry in output.prompt_logprobs]
-
-
-def _prompt_entry(entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
-    return {
-        token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
-        for token_id, lp in entry.items()
-    }
