@@ -198,12 +198,13 @@ def test_version_and_help_do_not_import_torch():
         )
 
 
-def test_the_command_table_says_what_each_subcommand_says():
+def test_every_subcommand_is_listed_and_a_typo_is_an_error():
     parser = build_parser()  # every subcommand's real parser
     subparsers = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._actions[-1])))
     assert {a.dest: a.help for a in subparsers._choices_actions} == {
         name: help_line for name, (_, help_line) in COMMANDS.items()
     }
+    assert all(len(subparsers.choices[name]._actions) > 1 for name in COMMANDS)  # more than --help
     with pytest.raises(SystemExit):
         build_parser(["servve"]).parse_args(["servve"])  # a typo is still an error
 

@@ -12,8 +12,7 @@ from pagedllm.tokenizer import load_tokenizer, workload_turns
 from pagedllm.workload import Conversation, load_workload
 
 
-def register(subparsers) -> None:
-    analyze = subparsers.add_parser("analyze", help="workload analyses (prefix: where prompts stop sharing)")
+def register(analyze: argparse.ArgumentParser) -> None:
     kinds = analyze.add_subparsers(dest="kind", required=True)
     parser = kinds.add_parser(
         "prefix",

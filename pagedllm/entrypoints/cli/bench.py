@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 from pagedllm.bench import kv_quant, prefix, serve, soak, sweep, throughput
 
 
-def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (throughput, prefix caching, serving)")
+def register(bench: argparse.ArgumentParser) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     parser = kinds.add_parser("throughput", help="engine vs Hugging Face static batching, same run")
     throughput.add_arguments(parser)

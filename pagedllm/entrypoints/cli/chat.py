@@ -34,12 +34,10 @@ class ReplyError(Exception):
     """No reply: the server refused the request or could not be reached."""
 
 
-def register(subparsers) -> None:
-    chat = subparsers.add_parser(
-        "chat",
-        help="interactive chat with the model's chat template, or with a server (--url)",
-        description="Chat in the terminal. /reset clears the history; Ctrl-C stops a reply; "
-        "Ctrl-D, /exit or Ctrl-C at the prompt quits.",
+def register(chat: argparse.ArgumentParser) -> None:
+    chat.description = (
+        "Chat in the terminal. /reset clears the history; Ctrl-C stops a reply; "
+        "Ctrl-D, /exit or Ctrl-C at the prompt quits."
     )
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 from pagedllm.eval import kv_quant
 
 
-def register(subparsers) -> None:
-    evaluate = subparsers.add_parser("eval", help="quality checks (kv-quant: 8-bit KV cache vs auto)")
+def register(evaluate: argparse.ArgumentParser) -> None:
     kinds = evaluate.add_subparsers(dest="eval_command", required=True)
     parser = kinds.add_parser(
         "kv-quant", help="perplexity, greedy agreement and capacity of an 8-bit KV cache against auto"

@@ -28,8 +28,7 @@ CONSOLE_KV_CACHE_BYTES = "512MiB"
 _KV_FLAGS = ("kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override")
 
 
-def register(subparsers) -> None:
-    gen = subparsers.add_parser("generate", help="complete one prompt, streaming the text")
+def register(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt", help="the prompt text")
     add_console_args(gen, default_max_tokens=128)
     add_engine_args(gen)

@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 """Subcommand -> (module under pagedllm.entrypoints.cli, its line in `pagedllm --help`). Each
-module's `register(subparsers)` adds the real parser; tests check the two help lines agree."""
+module's `register(parser)` fills the parser made here with its flags."""
 
 
 class StrictParser(argparse.ArgumentParser):
@@ -51,10 +51,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_line) in COMMANDS.items():
+        subparser = subparsers.add_parser(name, help=help_line)
         if argv is None or name == command:
-            importlib.import_module(f"pagedllm.entrypoints.cli.{module}").register(subparsers)
-        else:
-            subparsers.add_parser(name, help=help_line)
+            importlib.import_module(f"pagedllm.entrypoints.cli.{module}").register(subparser)
     return parser
 
 

@@ -21,10 +21,7 @@ from pagedllm.planner import (
 _NUMBERS = ("hidden_size", "num_heads", "intermediate_size", "vocab_size")
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "plan", help="KV cache capacity (bytes per token, blocks, tokens, concurrency) from a config"
-    )
+def register(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
     parser.set_defaults(handler=run, parser=parser)
 

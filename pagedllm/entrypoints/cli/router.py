@@ -21,12 +21,10 @@ logger = logging.getLogger(__name__)
 CHUNK_CHARS = 64  # about a 16-token KV block of English text
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "router",
-        help="Route OpenAI requests over several replicas, each to where its prefix is likely cached",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and an aggregated "
-        "/metrics, /stats and /dashboard in front of `pagedllm serve` replicas. See docs/scaling.md.",
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and an aggregated "
+        "/metrics, /stats and /dashboard in front of `pagedllm serve` replicas. See docs/scaling.md."
     )
     parser.add_argument(
         "--replica",

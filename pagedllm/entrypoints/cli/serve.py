@@ -10,12 +10,10 @@ from pagedllm.entrypoints.openai.api_server import run_server
 from pagedllm.entrypoints.openai.server_config import add_server_args, check_server_args
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (same flags as python -m pagedllm.entrypoints.openai.api_server)",
-        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/health, /version, /tokenize, /detokenize, /metrics, /stats and /dashboard.",
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /version, /tokenize, /detokenize, /metrics, /stats and /dashboard."
     )
     parser.add_argument(
         "model_tag",
