@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from pagedllm.metrics.stats import EngineTotals, HitCounts, SchedulerStats
+from pagedllm.metrics.stats import EngineTotals, PrefixCacheStats, SchedulerStats
 from pagedllm.outputs import RequestOutput
 
 WINDOW = 1000  # finished requests the percentiles cover
@@ -37,12 +37,7 @@ class LiveStats:
         self.block_size = block_size
         self._lock = threading.Lock()
         self._stats = SchedulerStats()
-        self._prefix_cache: dict = {
-            **_hits(HitCounts()),
-            "preempted_recompute_saved": 0,
-            "by_prompt_length": {},
-            "by_user": {},
-        }
+        self._prefix_cache = PrefixCacheStats().snapshot(TOP_USERS)
         self._finished: deque[dict[str, float | None]] = deque(maxlen=WINDOW)  # _PHASES -> seconds
         self._num_finished = 0
         self._clock = clock
@@ -56,13 +51,7 @@ class LiveStats:
             prefix_cache["queries"],
             prefix_cache["preempted_recompute_saved"],
         ):  # rebuilt only on steps that admitted or resumed a request
-            top_users = sorted(cache.by_user.items(), key=lambda item: -item[1].queries)[:TOP_USERS]
-            prefix_cache = {
-                **_hits(cache),
-                "preempted_recompute_saved": cache.preempted_recompute_saved,
-                "by_prompt_length": {b: _hits(c) for b, c in sorted(cache.by_prompt_length.items())},
-                "by_user": {user: _hits(c) for user, c in top_users},
-            }
+            prefix_cache = cache.snapshot(TOP_USERS)
         ttfts = [f["time_to_first_token"] for f in finished if f["time_to_first_token"] is not None]
         with self._lock:
             self._stats, self._prefix_cache = stats, prefix_cache
@@ -161,15 +150,6 @@ class History:
             )
         )
         self._last_time, self._last_counts, self._ttfts = now, self._counts, []
-
-
-def _hits(counts: HitCounts) -> dict:
-    return {
-        "requests": counts.requests,
-        "queries": counts.queries,
-        "hits": counts.hits,
-        "hit_rate": counts.hit_rate,
-    }
 
 
 def _percentiles(values: list[float]) -> dict[str, float] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,6 +44,24 @@ class HitCounts:
         self.queries += num_prompt_tokens
         self.hits += num_hit_tokens
 
+    def merge(self, other: HitCounts) -> None:
+        self.requests += other.requests
+        self.queries += other.queries
+        self.hits += other.hits
+
+    def to_dict(self) -> dict:
+        """As /stats shows it (the rate included)."""
+        return {
+            "requests": self.requests,
+            "queries": self.queries,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HitCounts:
+        return cls(data["requests"], data["queries"], data["hits"])
+
 
 @dataclass
 class PrefixCacheStats(HitCounts):
@@ -67,6 +86,29 @@ class PrefixCacheStats(HitCounts):
         self.by_user.setdefault(caller, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
         bucket = prompt_length_bucket(num_prompt_tokens)
         self.by_prompt_length.setdefault(bucket, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
+
+    def snapshot(self, top_users: int) -> dict:
+        """As /stats shows it: the counts, by prompt length, and the `top_users` callers that
+        looked up the most prompt tokens."""
+        callers = sorted(self.by_user.items(), key=lambda item: -item[1].queries)[:top_users]
+        return {
+            **self.to_dict(),
+            "preempted_recompute_saved": self.preempted_recompute_saved,
+            "by_prompt_length": {b: c.to_dict() for b, c in sorted(self.by_prompt_length.items())},
+            "by_user": {user: c.to_dict() for user, c in callers},
+        }
+
+    @classmethod
+    def sum_of_snapshots(cls, snapshots: Iterable[dict]) -> PrefixCacheStats:
+        """Several snapshots (replicas') added up: groups of the same name summed."""
+        total = cls()
+        for snapshot in snapshots:
+            total.merge(HitCounts.from_dict(snapshot))
+            total.preempted_recompute_saved += snapshot["preempted_recompute_saved"]
+            for groups, name in ((total.by_user, "by_user"), (total.by_prompt_length, "by_prompt_length")):
+                for key, counts in snapshot[name].items():
+                    groups.setdefault(key, HitCounts()).merge(HitCounts.from_dict(counts))
+        return total
 
 
 @dataclass

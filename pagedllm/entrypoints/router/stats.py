@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterable
 from http import HTTPStatus
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.router.policy import Replica
 from pagedllm.entrypoints.router.replicas import ReplicaSet
 from pagedllm.metrics.live_stats import SAMPLE_INTERVAL_S, TOP_USERS
+from pagedllm.metrics.stats import PrefixCacheStats
 
 _PAGE_DIR = Path(errors.__file__).parent  # the replica's dashboard.html and its static/ chart library
 _SUMMED = ("running", "waiting", "finished", "preemptions", "prompt_tokens_computed", "generation_tokens")
@@ -169,30 +169,8 @@ def _merge_kv_cache(caches: list[dict]) -> dict:
 
 
 def _merge_prefix_cache(caches: list[dict]) -> dict:
-    by_user = _merge_hit_groups(c["by_user"] for c in caches)
-    top_users = sorted(by_user.items(), key=lambda item: -item[1]["queries"])[:TOP_USERS]
-    return {
-        **_sum_hits(caches),
-        "preempted_recompute_saved": sum(c["preempted_recompute_saved"] for c in caches),
-        "by_prompt_length": _merge_hit_groups(c["by_prompt_length"] for c in caches),
-        "by_user": dict(top_users),
-    }
-
-
-def _merge_hit_groups(groups: Iterable[dict[str, dict]]) -> dict[str, dict]:
-    """Groups of the same name (a prompt-length bucket, a caller) summed over replicas."""
-    by_name: dict[str, list[dict]] = {}
-    for group in groups:
-        for name, hits in group.items():
-            by_name.setdefault(name, []).append(hits)
-    return {name: _sum_hits(hits) for name, hits in by_name.items()}
-
-
-def _sum_hits(counts: list[dict]) -> dict:
-    """LiveStats' hit counts summed; the rate recomputed from the sums, as HitCounts.hit_rate does."""
-    requests, queries, hits = (sum(c[name] for c in counts) for name in ("requests", "queries", "hits"))
-    hit_rate = hits / queries if queries else 0.0
-    return {"requests": requests, "queries": queries, "hits": hits, "hit_rate": hit_rate}
+    """Counts summed and rates recomputed from the sums, in the replicas' own shape."""
+    return PrefixCacheStats.sum_of_snapshots(caches).snapshot(TOP_USERS)
 
 
 def _worst(percentiles: list[dict[str, float] | None]) -> dict[str, float] | None:
