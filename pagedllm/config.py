@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from pagedllm.flags import flag, flag_shape
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -211,9 +213,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name}: {message}")
 
-        for name in _FIELD_TYPES:
-            allowed = get_args(_FIELD_TYPES[name])
-            need(getattr(self, name) in allowed, name, f"must be one of {', '.join(allowed)}")
+        for f in dataclasses.fields(self):
+            if f.type in _LITERALS:
+                allowed = get_args(_LITERALS[str(f.type)])
+                need(getattr(self, f.name) in allowed, f.name, f"must be one of {', '.join(allowed)}")
         need(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
             "block_size",
@@ -296,50 +299,30 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-_FIELD_TYPES = {
-    "dtype": DType,
-    "kv_cache_dtype": KVCacheDType,
-    "device": Device,
-    "scheduling_policy": SchedulingPolicy,
-    "prefix_caching_hash_algo": HashAlgo,
-    "distributed_executor_backend": ExecutorBackend,
+_LITERALS = {
+    "DType": DType,
+    "KVCacheDType": KVCacheDType,
+    "Device": Device,
+    "SchedulingPolicy": SchedulingPolicy,
+    "HashAlgo": HashAlgo,
+    "ExecutorBackend": ExecutorBackend,
 }
-_INT_FIELDS = {
-    "num_threads",
-    "tensor_parallel_size",
-    "max_model_len",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "num_gpu_blocks_override",
-    "seed",
-    "max_logprobs",
-    "divergence_finder_tokens",
-}
-_FLOAT_FIELDS = {"gpu_memory_utilization", "log_stats_interval"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_flag: bool = True) -> None:
-    """Add one `--flag` per EngineConfig field (vLLM's spelling) to `parser`."""
+    """Add one `--flag` per EngineConfig field (vLLM's spelling) to `parser`; a flag not given
+    leaves the field's default (engine_config_from_args)."""
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model" and not model_flag:
             continue
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {
-            "dest": f.name,
-            "default": argparse.SUPPRESS,
-            "help": f.metadata.get("help", "") + f" (default: {f.default})",
-        }
-        if f.name in _FIELD_TYPES:
-            kwargs["choices"] = get_args(_FIELD_TYPES[f.name])
-        elif isinstance(f.default, bool):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif f.name in _INT_FIELDS:
-            kwargs["type"] = int
-        elif f.name in _FLOAT_FIELDS:
-            kwargs["type"] = float
-        group.add_argument(flag, **kwargs)
+        group.add_argument(
+            flag(f),
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            help=f.metadata.get("help", "") + f" (default: {f.default})",
+            **flag_shape(f, _LITERALS),
+        )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

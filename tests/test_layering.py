@@ -17,6 +17,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "outputs",
         "sampling_params",
         "cpu_features",
+        "flags",
         "config",
         "workload",
         "chat_template",

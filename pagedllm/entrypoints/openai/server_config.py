@@ -2,9 +2,8 @@
 flags (config.py). `add_server_args` adds both groups to one parser, the parser of
 `pagedllm serve` and of `python -m pagedllm.entrypoints.openai.api_server`.
 
-A field's type picks its argparse shape: int and float parse as such, a list takes one or more
-values, a bool that is off by default is a plain switch (`--flag`), any other bool gets its
-`--no-` twin, and a Literal lists its choices.
+A field's annotation picks its argparse shape (flags.py); a bool that is off by default is a
+plain switch (`--flag`), any other bool gets its `--no-` twin.
 """
 
 from __future__ import annotations
@@ -14,11 +13,12 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pagedllm import limits
 from pagedllm.config import add_engine_args
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from pagedllm.flags import flag, flag_shape
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
@@ -155,37 +155,20 @@ class ServerConfig:
         return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
-# The annotations are strings (from __future__ import annotations): the shapes go by their text.
-_INT_TYPES = {"int", "int | None"}
-_FLOAT_TYPES = {"float", "float | None"}
-_LIST_TYPES = {"list[str]", "list[str] | None"}
-_LITERAL_TYPES = {"UvicornLogLevel": UvicornLogLevel}
-
-
 def _argparse_kwargs(f: dataclasses.Field) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"help": f.metadata["help"], **f.metadata["argparse"]}
     if f.default_factory is not dataclasses.MISSING:
         kwargs["default"] = f.default_factory()  # when the parser is made (the environment then)
     else:
         kwargs["default"] = f.default
-    if f.type in ("bool", "bool | None"):
-        kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
-    elif f.type in _INT_TYPES:
-        kwargs["type"] = int
-    elif f.type in _FLOAT_TYPES:
-        kwargs["type"] = float
-    elif f.type in _LIST_TYPES:
-        kwargs["nargs"] = "+"
-    elif f.type in _LITERAL_TYPES:
-        kwargs["choices"] = list(get_args(_LITERAL_TYPES[f.type]))
-    return kwargs
+    return {**kwargs, **flag_shape(f, {"UvicornLogLevel": UvicornLogLevel}, plain_switch=True)}
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Server flags, then every engine flag (vLLM's names): the one parser of both entry points."""
     group = parser.add_argument_group("server")
     for f in dataclasses.fields(ServerConfig):
-        group.add_argument("--" + f.name.replace("_", "-"), **_argparse_kwargs(f))
+        group.add_argument(flag(f), **_argparse_kwargs(f))
     add_engine_args(parser)
     return parser
 
