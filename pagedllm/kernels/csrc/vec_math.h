@@ -4,7 +4,6 @@
 #include <c10/util/bit_cast.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "cpu_types.h"
 
@@ -45,14 +44,5 @@ inline FloatVec16 exp_nonpositive(FloatVec16 x) {
   p = V::fma(V::mul(p, r), r, V::add(r, V::broadcast(1.f)));
   return V::mul(p, V::pow2(k));
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// 32 bfloat16 values loaded as integers, as the type dpbf16ps takes (the same bits).
-inline __m512bh as_bf16x32(__m512i x) {
-  __m512bh y;
-  std::memcpy(&y, &x, sizeof(y));
-  return y;
-}
-#endif
 
 }  // namespace pagedllm_cpu
