@@ -13,6 +13,9 @@
 #include "vec_math.h"
 
 namespace pagedllm_cpu {
+// Internal linkage, as when these loops lived in paged_attention_cpu.cpp (their one includer):
+// GCC then inlines them as it did there (with external linkage it kept several out of line).
+namespace {
 
 constexpr int64_t kLanes = FloatVec8::kLanes;  // head_dim is a multiple of it
 constexpr int64_t kPrefetchRows = 48;  // how far ahead rows are fetched: a request's blocks lie
@@ -258,4 +261,5 @@ inline int64_t bf16_sum_slot(int64_t d) {
   return 16 * c + k;
 }
 
+}  // namespace
 }  // namespace pagedllm_cpu
