@@ -40,7 +40,8 @@ for commit in "$old" "$new"; do
   sha=$(git -C "$repo" rev-parse --short "$commit")
   tree=$work/tree-$sha
   git -C "$repo" worktree add --quiet --detach "$tree" "$sha"
-  kernel=$tree/pagedllm/attention/cpu_kernel.py
+  kernel=$tree/pagedllm/kernels/cpu_ops.py
+  [[ -f $kernel ]] || kernel=$tree/pagedllm/attention/cpu_kernel.py  # where it was before 7b71f1b
   # our kernels for Zen 3, under their own name; the float32 kernel choices an AVX2-only host makes
   sed -i 's/-march=native/-march=znver3/; s/"pagedllm_cpu/"pagedllm_avx2_restricted/' "$kernel"
   if ! grep -q -- "-march=znver3" "$kernel" || ! grep -q '"pagedllm_avx2_restricted' "$kernel"; then

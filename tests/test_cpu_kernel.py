@@ -22,6 +22,12 @@ def test_the_kernel_builds_here():
     assert cpu_ops.is_built()  # CI machines have a compiler: a failed build must not pass silently
 
 
+def test_the_loaded_build_keeps_its_name():
+    """The name after loading is the loaded library's: callers look its folder up by it."""
+    assert cpu_ops.is_built()
+    assert cpu_ops._is_cached(cpu_ops.build_name())
+
+
 def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch, request):
     """Two trees with the same sources share one build; a tree whose sources differ (another
     checkout, another branch) gets its own, instead of rebuilding over the other's at each start."""

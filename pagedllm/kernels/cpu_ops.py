@@ -132,8 +132,8 @@ def is_built() -> bool:
         cpp_extension.load(
             name=name,
             sources=[str(source) for source in _staged_sources(name)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
+            extra_cflags=list(_CFLAGS),  # copies: torch appends its own flags to the lists it is given,
+            extra_ldflags=list(_LDFLAGS),  # which would change build_name() once the library is loaded
             is_python_module=False,
         )
     except (OSError, RuntimeError) as err:  # no compiler or ninja, or a failed build

@@ -12,11 +12,11 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_types.h"
 
 namespace {
+
+using pagedllm_cpu::FloatVec16;
 
 int64_t first_nan(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
@@ -27,32 +27,30 @@ int64_t first_nan(const float* x, int64_t n) {
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0, best = 0;
   float best_value = x[0];
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    // per lane: its largest value and where it first was; NaN noticed on the way
-    __m512 lane_max = _mm512_loadu_ps(x);
-    __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i index = lane_index;
-    __mmask16 nan = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q);
-    const __m512i step = _mm512_set1_epi32(16);
+  if (pagedllm_cpu::kHasAvx512 && n >= 16 && n < (int64_t{1} << 28)) {
+    // per lane: its largest value and the number of the 16-value block where it first was (a
+    // float, exact: under 2^24 blocks); NaN noticed on the way
+    const FloatVec16 one = FloatVec16::broadcast(1.f);
+    FloatVec16 lane_max = FloatVec16::load(x), lane_block = FloatVec16::zero(), block = FloatVec16::zero();
+    uint32_t nan = FloatVec16::nan_lanes(lane_max);
     for (i = 16; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      index = _mm512_add_epi32(index, step);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
-      lane_max = _mm512_mask_mov_ps(lane_max, greater, v);
-      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
+      const FloatVec16 v = FloatVec16::load(x + i);
+      block = FloatVec16::add(block, one);
+      nan |= FloatVec16::nan_lanes(v);
+      const uint32_t greater = FloatVec16::greater(v, lane_max);
+      lane_max = FloatVec16::select(greater, v, lane_max);
+      lane_block = FloatVec16::select(greater, block, lane_block);
     }
     if (nan) return first_nan(x, n);
-    alignas(64) float values[16];
-    alignas(64) int32_t indices[16];
-    _mm512_store_ps(values, lane_max);
-    _mm512_store_epi32(indices, lane_index);
-    best_value = values[0], best = indices[0];
-    for (int j = 1; j < 16; ++j)
-      if (values[j] > best_value || (values[j] == best_value && indices[j] < best)) best_value = values[j], best = indices[j];
+    alignas(64) float values[16], blocks[16];
+    lane_max.store(values);
+    lane_block.store(blocks);
+    best_value = values[0], best = static_cast<int64_t>(blocks[0]) * 16;
+    for (int j = 1; j < 16; ++j) {
+      const int64_t index = static_cast<int64_t>(blocks[j]) * 16 + j;
+      if (values[j] > best_value || (values[j] == best_value && index < best)) best_value = values[j], best = index;
+    }
   }
-#endif
   for (; i < n; ++i) {
     if (std::isnan(x[i])) return first_nan(x, n);
     if (x[i] > best_value) best_value = x[i], best = i;

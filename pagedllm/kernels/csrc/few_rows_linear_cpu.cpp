@@ -23,34 +23,25 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "vec_math.h"
+#include "cpu_types.h"
 
 #include <algorithm>
 #include <cstring>
 #include <optional>
 #include <string>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_FEW_ROWS_F32 1
-#else
-#define PAGEDLLM_FEW_ROWS_F32 0
-#endif
-#if PAGEDLLM_FEW_ROWS_F32 && defined(__AVX512F__)
-#define PAGEDLLM_FEW_ROWS_AVX512 1
-#else
-#define PAGEDLLM_FEW_ROWS_AVX512 0
-#endif
-#if PAGEDLLM_FEW_ROWS_AVX512 && defined(__AVX512BF16__)
-#define PAGEDLLM_FEW_ROWS_BF16 1
-#else
-#define PAGEDLLM_FEW_ROWS_BF16 0
-#endif
+#include <type_traits>
 
 namespace {
 
+using pagedllm_cpu::Bf16PairVec;
+using pagedllm_cpu::FloatVec16;
+
+// The float32 tiles' registers: 16 lanes with AVX-512, else 8 (AVX2).
+using F32Vec = std::conditional_t<pagedllm_cpu::kHasAvx512, FloatVec16, pagedllm_cpu::FloatVec8>;
+constexpr bool kHasF32 = pagedllm_cpu::kHasAvx2, kHasBf16 = pagedllm_cpu::kHasAvx512Bf16;
+
 bool few_rows_linear_available(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? PAGEDLLM_FEW_ROWS_BF16 : dtype == at::kFloat ? PAGEDLLM_FEW_ROWS_F32 : false;
+  return dtype == at::kBFloat16 ? kHasBf16 : dtype == at::kFloat ? kHasF32 : false;
 }
 
 bool available(const std::string& dtype) {
@@ -58,7 +49,7 @@ bool available(const std::string& dtype) {
 }
 
 // Output columns per panel and inputs per step of the packed layout.
-int64_t panel_columns(at::ScalarType dtype) { return dtype == at::kBFloat16 || PAGEDLLM_FEW_ROWS_AVX512 ? 16 : 8; }
+int64_t panel_columns(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : F32Vec::kLanes; }
 int64_t inputs_per_step(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
 
 at::Tensor pack_few_rows(const at::Tensor& weight) {
@@ -85,95 +76,60 @@ struct TileArgs {
   int64_t out_stride;
 };
 
-#if PAGEDLLM_FEW_ROWS_F32
-// The float32 tiles' registers: 16 lanes with AVX-512, else 8 (AVX2).
-struct F32Vector {
-#if PAGEDLLM_FEW_ROWS_AVX512
-  using V = __m512;
-  static constexpr int64_t kLanes = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V broadcast(float x) { return _mm512_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-#else
-  using V = __m256;
-  static constexpr int64_t kLanes = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V broadcast(float x) { return _mm256_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-#endif
-};
-
 // float32: as tile_bf16, one input per step instead of a pair
 template <int M, int P>
 void tile_f32(const TileArgs<float>& a) {
-  using Vec = F32Vector;
-  constexpr int64_t lanes = Vec::kLanes;
+  constexpr int64_t lanes = F32Vec::kLanes;
   const float* x = static_cast<const float*>(a.x);
   const float* panels = static_cast<const float*>(a.panels);
-  typename Vec::V acc[M][P];
+  F32Vec acc[M][P];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < P; ++j) acc[m][j] = Vec::zero();
+    for (int j = 0; j < P; ++j) acc[m][j] = F32Vec::zero();
   for (int64_t k = 0; k < a.steps; ++k) {
-    typename Vec::V w[P];
+    F32Vec w[P];
     for (int j = 0; j < P; ++j) {
       const float* at = panels + j * a.panel_stride + k * lanes;
-      _mm_prefetch(reinterpret_cast<const char*>(at + 256), _MM_HINT_T0);  // 1 KiB ahead
-      w[j] = Vec::load(at);
+      __builtin_prefetch(at + 256);  // 1 KiB ahead
+      w[j] = F32Vec::load(at);
     }
     for (int m = 0; m < M; ++m) {
-      const typename Vec::V xb = Vec::broadcast(x[m * a.x_stride + k]);
-      for (int j = 0; j < P; ++j) acc[m][j] = Vec::fma(xb, w[j], acc[m][j]);
+      const F32Vec xb = F32Vec::broadcast(x[m * a.x_stride + k]);
+      for (int j = 0; j < P; ++j) acc[m][j] = F32Vec::fma(xb, w[j], acc[m][j]);
     }
   }
   for (int j = 0; j < P; ++j) {
-    const typename Vec::V b = a.bias == nullptr ? Vec::zero() : Vec::load(a.bias + j * lanes);
-    for (int m = 0; m < M; ++m) Vec::store(a.out + m * a.out_stride + j * lanes, Vec::add(acc[m][j], b));
+    const F32Vec b = a.bias == nullptr ? F32Vec::zero() : F32Vec::load(a.bias + j * lanes);
+    for (int m = 0; m < M; ++m) F32Vec::add(acc[m][j], b).store(a.out + m * a.out_stride + j * lanes);
   }
 }
-#endif
 
-#if PAGEDLLM_FEW_ROWS_BF16
-using pagedllm_cpu::as_bf16x32;
-
-template <int M, int P>
+// bfloat16, on Pairs (Bf16PairVec): a template, so that only AVX512-BF16 builds instantiate it.
+template <typename Pairs, int M, int P>
 void tile_bf16(const TileArgs<c10::BFloat16>& a) {
   const char* x = static_cast<const char*>(a.x);  // rows of pairs, not always 4-byte aligned
   const int32_t* panels = static_cast<const int32_t*>(a.panels);
-  __m512 acc[M][P];
+  FloatVec16 acc[M][P];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < P; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < P; ++j) acc[m][j] = FloatVec16::zero();
   for (int64_t p = 0; p < a.steps; ++p) {
-    __m512bh w[P];
+    Pairs w[P];
     for (int j = 0; j < P; ++j) {
       const int32_t* at = panels + j * a.panel_stride + p * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(at + 16 * 16), _MM_HINT_T0);  // 1 KiB ahead
-      w[j] = as_bf16x32(_mm512_loadu_si512(at));
+      __builtin_prefetch(at + 16 * 16);  // 1 KiB ahead
+      w[j] = Pairs::load(at);
     }
     for (int m = 0; m < M; ++m) {
-      int32_t pair;
+      uint32_t pair;
       std::memcpy(&pair, x + (m * a.x_stride + p) * 4, sizeof(pair));
-      const __m512bh xb = as_bf16x32(_mm512_set1_epi32(pair));
-      for (int j = 0; j < P; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
+      const Pairs xb = Pairs::broadcast(pair);
+      for (int j = 0; j < P; ++j) acc[m][j] = Pairs::dot(acc[m][j], xb, w[j]);
     }
   }
   for (int j = 0; j < P; ++j) {
-    const __m512 b = a.bias == nullptr
-                         ? _mm512_setzero_ps()
-                         : _mm512_castsi512_ps(_mm512_slli_epi32(
-                               _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bias + j * 16))), 16));
-    for (int m = 0; m < M; ++m) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));
-      std::memcpy(a.out + m * a.out_stride + j * 16, &rounded, sizeof(rounded));
-    }
+    const FloatVec16 b = a.bias == nullptr ? FloatVec16::zero() : FloatVec16::load(a.bias + j * 16);
+    for (int m = 0; m < M; ++m) Pairs::store_rounded(a.out + m * a.out_stride + j * 16, FloatVec16::add(acc[m][j], b));
   }
 }
-#endif
 
 // The shapes each dtype's tiles take: up to kTileRows rows; with few rows (<= kFewRows) kWide
 // panels at a time, else kNarrow (the sums, M x P registers, must fit with the loads: 32
@@ -183,28 +139,18 @@ struct Bf16Tiles {
   static constexpr int64_t kCols = 16, kTileRows = 8, kFewRows = 4, kWide = 4, kNarrow = 3;
   template <int M, int P>
   static void tile(const TileArgs<T>& a) {
-#if PAGEDLLM_FEW_ROWS_BF16
-    tile_bf16<M, P>(a);
-#else
-    (void)a;
-#endif
+    if constexpr (kHasBf16) tile_bf16<Bf16PairVec, M, P>(a);
   }
 };
 
 struct F32Tiles {
   using T = float;
-#if PAGEDLLM_FEW_ROWS_AVX512
-  static constexpr int64_t kCols = 16, kTileRows = 8, kFewRows = 4, kWide = 4, kNarrow = 3;
-#else
-  static constexpr int64_t kCols = 8, kTileRows = 6, kFewRows = 4, kWide = 3, kNarrow = 2;
-#endif
+  static constexpr bool kWideRegs = F32Vec::kLanes == 16;  // AVX-512
+  static constexpr int64_t kCols = F32Vec::kLanes, kTileRows = kWideRegs ? 8 : 6, kFewRows = 4;
+  static constexpr int64_t kWide = kWideRegs ? 4 : 3, kNarrow = kWideRegs ? 3 : 2;
   template <int M, int P>
   static void tile(const TileArgs<T>& a) {
-#if PAGEDLLM_FEW_ROWS_F32
     tile_f32<M, P>(a);
-#else
-    (void)a;
-#endif
   }
 };
 

@@ -16,7 +16,8 @@
 // A bfloat16 model with a bfloat16 cache, on a CPU with AVX512-BF16, is not widened at all: its
 // scores and weighted sums run on dpbf16ps (bfloat16 products summed in float32; the softmax
 // weights rounded to bfloat16 for the weighted sum), about twice as fast (BFloat16PairRow).
-// AVX2 + FMA (+ F16C) paths where the compiler targets them (-march=native), plain loops elsewhere.
+// Written in cpu_types.h's vectors (AVX-512, AVX2 or plain loops, as the build targets with
+// -march=native); the cache's row formats are row_formats.h's, the loops over rows attention_rows.h's.
 // Rows are prefetched a few ahead: a request's blocks lie anywhere in the cache.
 //
 // Shapes: query [num_tokens, num_heads, head_dim] float32 / bfloat16 / float16 (widened as read,
@@ -33,480 +34,22 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
-#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include "attention_rows.h"
+#include "cpu_types.h"
+#include "row_formats.h"
 #include "vec_math.h"
 
 #include <algorithm>
-#include <array>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#else
-#define PAGEDLLM_AVX2 0
-#endif
-#if PAGEDLLM_AVX2 && defined(__AVX512F__)
-#define PAGEDLLM_AVX512 1
-#else
-#define PAGEDLLM_AVX512 0
-#endif
-#if PAGEDLLM_AVX512 && defined(__AVX512BF16__)
-#define PAGEDLLM_AVX512BF16 1
-#else
-#define PAGEDLLM_AVX512BF16 0
-#endif
-
 namespace {
 
-using pagedllm_cpu::exp_nonpositive;
-
-constexpr int64_t kLanes = 8;  // one AVX2 register of floats; head_dim is a multiple of it
-constexpr int64_t kPrefetchRows = 48;  // how far ahead rows are fetched: a request's blocks lie
-                                       // anywhere in the cache, so the hardware cannot guess them
-
-// Ask for a cache row (up to 256 bytes: 64 bfloat16 or float32 values) before it is needed.
-inline void prefetch_row(const uint8_t* row, int64_t row_bytes) {
-  for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset);
-}
-
-// Lane-wise partial sums, so the compiler vectorizes without reordering any single sum.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
-  for (int64_t i = 0; i < n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];
-  float sum = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
-  return sum;
-}
-
-inline void add_scaled(float* acc, float weight, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += weight * x[i];
-}
-
-// Softmax numerators in place, exp(x - max(x)); returns their sum, or NaN when a score is
-// NaN or infinite (as SDPA's softmax would give), with the numerators zeroed.
-inline float softmax_numerators(float* x, int64_t n) {
-  const int64_t whole = n - n % kLanes;
-  float lanes[kLanes], finite_check[kLanes] = {};  // x - x: 0 for finite x, NaN otherwise
-  std::fill(lanes, lanes + kLanes, x[0]);
-  for (int64_t t = 0; t < whole; t += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) {
-      lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
-      finite_check[j] += x[t + j] - x[t + j];
-    }
-  float max_value = *std::max_element(lanes, lanes + kLanes), check = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) check += finite_check[j];
-  for (int64_t t = whole; t < n; ++t) {
-    max_value = std::max(max_value, x[t]);
-    check += x[t] - x[t];
-  }
-  if (!(check == 0.f)) {
-    std::fill(x, x + n, 0.f);
-    return std::numeric_limits<float>::quiet_NaN();
-  }
-  std::fill(lanes, lanes + kLanes, 0.f);
-  for (int64_t t = 0; t < whole; t += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += (x[t + j] = exp_nonpositive(x[t + j] - max_value));
-  float sum = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
-  for (int64_t t = whole; t < n; ++t) sum += (x[t] = exp_nonpositive(x[t] - max_value));
-  return sum;
-}
-
-// A float32 cache row is read where it lies.
-struct FloatRow {
-  static int64_t bytes(int64_t head_dim) { return head_dim * 4; }
-  static const float* values(const uint8_t* row, int64_t /*head_dim*/, float* /*buffer*/) {
-    return reinterpret_cast<const float*>(row);
-  }
-  static float scale(const uint8_t* /*row*/, int64_t /*head_dim*/) { return 1.f; }
-#if PAGEDLLM_AVX2
-  static __m256 load8(const uint8_t* row, int64_t d) { return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d); }
-#endif
-#if PAGEDLLM_AVX512
-  static __m512 load16(const uint8_t* row, int64_t d) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + d);
-  }
-#endif
-};
-
-// A 16-bit float row (bfloat16 or float16), widened to float32 as it is read.
-template <typename T>
-struct HalfWidthRow {
-  static int64_t bytes(int64_t head_dim) { return head_dim * 2; }
-  static const float* values(const uint8_t* row, int64_t head_dim, float* buffer) {
-    const T* x = reinterpret_cast<const T*>(row);
-    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = static_cast<float>(x[d]);
-    return buffer;
-  }
-  static float scale(const uint8_t* /*row*/, int64_t /*head_dim*/) { return 1.f; }
-#if PAGEDLLM_AVX2
-  static __m256 load8(const uint8_t* row, int64_t d) {
-    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d * 2));
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      // a bfloat16 is the top half of a float32
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-    } else {
-      return _mm256_cvtph_ps(halves);
-    }
-  }
-#endif
-#if PAGEDLLM_AVX512
-  static __m512 load16(const uint8_t* row, int64_t d) {
-    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d * 2));
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-    } else {
-      return _mm512_cvtph_ps(halves);
-    }
-  }
-#endif
-};
-
-// A bfloat16 row read by a bfloat16 model on a CPU with AVX512-BF16: scores and weighted sums go
-// through dpbf16ps (products of bfloat16 pairs summed into float32) on the rows where they lie,
-// nothing widened. The softmax weights are rounded to bfloat16 for the weighted sum, as PyTorch's
-// CPU SDPA does for bfloat16. Used where head_dim % 64 == 0 and the block size is even (rows are
-// taken in pairs from a block boundary).
-struct BFloat16PairRow : HalfWidthRow<c10::BFloat16> {};
-
-// Every float8 value by its byte, filled when the library loads (no guard on each use).
-template <typename T>
-const std::array<float, 256> kFloat8Values = [] {
-  std::array<float, 256> values;
-  for (int i = 0; i < 256; ++i) values[i] = static_cast<float>(c10::bit_cast<T>(static_cast<uint8_t>(i)));
-  return values;
-}();
-
-// An 8-bit row: head_dim values of T, then a float16 scale, x_d = value_d * scale. The values
-// are widened once into a small buffer that the query heads sharing the row then read; the
-// scale moves out of the sums (q . x = scale * (q . values)).
-template <typename T>
-struct QuantizedRow {
-  // float8 widens through a 256-entry table: c10's conversion works bit by bit, ~20x slower.
-  static float widen(uint8_t byte) {
-    if constexpr (std::is_same_v<T, int8_t>) {
-      return static_cast<float>(static_cast<int8_t>(byte));
-    } else {
-      return kFloat8Values<T>[byte];
-    }
-  }
-  static int64_t bytes(int64_t head_dim) { return head_dim + 2; }
-  static const float* values(const uint8_t* row, int64_t head_dim, float* buffer) {
-    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = widen(row[d]);
-    return buffer;
-  }
-  static float scale(const uint8_t* row, int64_t head_dim) {
-    c10::Half scale;
-    std::memcpy(&scale, row + head_dim, sizeof(scale));
-    return static_cast<float>(scale);
-  }
-#if PAGEDLLM_AVX2
-  static __m256 load8(const uint8_t* row, int64_t d) {
-    if constexpr (std::is_same_v<T, int8_t>) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
-      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    } else {
-      alignas(32) float widened[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) widened[j] = widen(row[d + j]);
-      return _mm256_load_ps(widened);
-    }
-  }
-#endif
-#if PAGEDLLM_AVX512
-  static __m512 load16(const uint8_t* row, int64_t d) {
-    if constexpr (std::is_same_v<T, int8_t>) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
-    } else {
-      alignas(64) float widened[16];
-      for (int64_t j = 0; j < 16; ++j) widened[j] = widen(row[d + j]);
-      return _mm512_load_ps(widened);
-    }
-  }
-#endif
-};
-
-#if PAGEDLLM_AVX2
-// q . rows[i] for 8 rows at once: eight independent multiply-add chains, then one
-// transpose-and-add that leaves row i's sum in lane i (no horizontal sum per row). Every row's
-// sum takes the same path whatever its lane, so a score does not depend on which 8 keys it was
-// computed with: that is what makes a row's output independent of how a step is split.
-template <typename Row>
-inline __m256 dot8(const float* q, const uint8_t* const* rows, int64_t head_dim) {
-  __m256 acc[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += kLanes) {
-    const __m256 q8 = _mm256_loadu_ps(q + d);
-    for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm256_fmadd_ps(q8, Row::load8(rows[i], d), acc[i]);
-  }
-  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  // s0123 = [rows 0-3, lanes 0-3 summed | rows 0-3, lanes 4-7 summed]; likewise s4567
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// acc[g] += sum_t weights[g][t] * rows[t] for Group queries, 8 output floats at a time with the
-// Group accumulators in registers: each row chunk is loaded once for all of them. A query's sum
-// runs over t in order, continuing from what acc holds, whatever Group is and however its keys
-// are cut into calls: so it does not depend on the queries it was grouped with.
-template <typename Row, int64_t Group>
-void weighted_sum(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                  float* const* acc_rows) {
-  for (int64_t d = 0; d < head_dim; d += kLanes) {
-    __m256 acc[Group];
-    for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_loadu_ps(acc_rows[g] + d);
-    for (int64_t t = 0; t < len; ++t) {
-      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim));
-      const __m256 x = Row::load8(rows[t], d);
-      for (int64_t g = 0; g < Group; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), x, acc[g]);
-    }
-    for (int64_t g = 0; g < Group; ++g) _mm256_storeu_ps(acc_rows[g] + d, acc[g]);
-  }
-}
-
-template <typename Row>
-void weighted_sum_up_to_8(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                          int64_t group, float* const* acc_rows) {
-  switch (group) {
-    case 1: weighted_sum<Row, 1>(weights, rows, len, head_dim, acc_rows); break;
-    case 2: weighted_sum<Row, 2>(weights, rows, len, head_dim, acc_rows); break;
-    case 3: weighted_sum<Row, 3>(weights, rows, len, head_dim, acc_rows); break;
-    case 4: weighted_sum<Row, 4>(weights, rows, len, head_dim, acc_rows); break;
-    case 5: weighted_sum<Row, 5>(weights, rows, len, head_dim, acc_rows); break;
-    case 6: weighted_sum<Row, 6>(weights, rows, len, head_dim, acc_rows); break;
-    case 7: weighted_sum<Row, 7>(weights, rows, len, head_dim, acc_rows); break;
-    default: weighted_sum<Row, 8>(weights, rows, len, head_dim, acc_rows);
-  }
-}
-#endif
-
-#if PAGEDLLM_AVX512
-// AVX-512, where head_dim is a multiple of 64 (this CPU has it and the model allows it). Rows
-// that are not float32 are first widened into float32 buffers, once per task, so the queries
-// that share them read plain floats (and the multiply-adds take them straight from memory).
-
-// The 16 lanes of each of 8 accumulators summed, sum i in lane i: each folded to 8 lanes, then
-// the same transpose-and-add as dot8, so every row's sum takes the same path.
-inline __m256 sum_lanes8(const __m512* acc) {
-  __m256 half[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i)
-    half[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(half[4], half[5]), _mm256_hadd_ps(half[6], half[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// q . rows[i] for 8 float32 rows: 16 floats per multiply-add, each row's lanes folded to 8 and
-// then summed by the same transpose-and-add as dot8: every row's sum takes the same path.
-inline __m256 dot8_avx512(const float* q, const float* const* rows, int64_t head_dim) {
-  __m512 acc[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 16) {
-    const __m512 q16 = _mm512_loadu_ps(q + d);
-    for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_fmadd_ps(q16, _mm512_loadu_ps(rows[i] + d), acc[i]);
-  }
-  return sum_lanes8(acc);
-}
-
-// acc[g] += sum_t weights[g][t] * rows[t] for Group <= 4 queries, 64 output floats at a time with
-// 4 x Group accumulators in registers; each query's sum runs over t in order, from what acc holds.
-// Rows are read through Row (widened as loaded), or as float32 rows already widened.
-template <typename Row, int64_t Group>
-void weighted_sum_avx512(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                         float* const* acc_rows) {
-  for (int64_t d = 0; d < head_dim; d += 64) {
-    __m512 acc[Group][4];
-    for (int64_t g = 0; g < Group; ++g)
-      for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(acc_rows[g] + d + 16 * c);
-    for (int64_t t = 0; t < len; ++t) {
-      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim));
-      __m512 x[4];
-      for (int64_t c = 0; c < 4; ++c) x[c] = Row::load16(rows[t], d + 16 * c);
-      for (int64_t g = 0; g < Group; ++g) {
-        const __m512 w = _mm512_set1_ps(weights[g][t]);
-        for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, x[c], acc[g][c]);
-      }
-    }
-    for (int64_t g = 0; g < Group; ++g)
-      for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc_rows[g] + d + 16 * c, acc[g][c]);
-  }
-}
-
-template <typename Row>
-void weighted_sum_avx512_up_to_4(const float* const* weights, const uint8_t* const* rows, int64_t len,
-                                 int64_t head_dim, int64_t group, float* const* acc_rows) {
-  switch (group) {
-    case 1: weighted_sum_avx512<Row, 1>(weights, rows, len, head_dim, acc_rows); break;
-    case 2: weighted_sum_avx512<Row, 2>(weights, rows, len, head_dim, acc_rows); break;
-    case 3: weighted_sum_avx512<Row, 3>(weights, rows, len, head_dim, acc_rows); break;
-    default: weighted_sum_avx512<Row, 4>(weights, rows, len, head_dim, acc_rows);
-  }
-}
-
-// Widen n rows into `buffer` (n x head_dim float32) and point `out` at them.
-template <typename Row>
-void widen_rows(const uint8_t* const* rows, int64_t n, int64_t head_dim, std::vector<float>& buffer,
-                std::vector<const uint8_t*>& out) {
-  buffer.resize(n * head_dim);
-  out.resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], Row::bytes(head_dim));
-    float* dst = buffer.data() + i * head_dim;
-    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, Row::load16(rows[i], d));
-    out[i] = reinterpret_cast<const uint8_t*>(dst);
-  }
-}
-#endif
-
-
-#if PAGEDLLM_AVX512BF16
-using pagedllm_cpu::as_bf16x32;
-
-// exp_nonpositive, 16 lanes at a time: the same clamp, rounding and polynomial (its last step
-// grouped as fma(p r, r, r + 1), so not always bit for bit the scalar's; each path uses only one).
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 round = _mm512_set1_ps(12582912.f);
-  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
-}
-
-// 16 rows of 16 int32 each, transposed in registers: r[c] then holds element c of every row.
-inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {  // in each 128-bit block b: elements 4b, 4b+1 / 4b+2, 4b+3 of 2 rows
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + j], block b: element 4b + j of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  __m512i out[16];
-  for (int j = 0; j < 4; ++j) {  // the 128-bit blocks of r[j], r[4 + j], r[8 + j], r[12 + j], transposed
-    const __m512i e = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), f = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-    const __m512i g = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), h = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-    out[j] = _mm512_shuffle_i32x4(e, g, 0x88);
-    out[4 + j] = _mm512_shuffle_i32x4(e, g, 0xDD);
-    out[8 + j] = _mm512_shuffle_i32x4(f, h, 0x88);
-    out[12 + j] = _mm512_shuffle_i32x4(f, h, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = out[i];
-}
-
-// 16 bfloat16 rows as pairs, key-minor: tile[p * 16 + k] holds values 2p and 2p + 1 of row k, so
-// one load gives a pair of dimensions for 16 keys, and scores need no sum across lanes.
-inline void transpose_rows16(const uint8_t* const* rows, int64_t head_dim, uint32_t* tile) {
-  for (int64_t c = 0; c < head_dim / 32; ++c) {
-    __m512i r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + 64 * c);
-    transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + (16 * c + i) * 16, r[i]);
-  }
-}
-
-// Scores of Q bfloat16 queries against 16 keys (a transposed tile), one key per lane: the
-// query's pair p broadcast, one dpbf16ps per pair into 4 chains (p mod 4), summed as
-// (c0 + c1) + (c2 + c3). Each (query, key) score is the same whatever Q, lane or tile it is in.
-template <int Q>
-inline void scores16_bf16(const uint32_t* const* query_pairs, const uint32_t* tile, int64_t num_pairs, __m512* out) {
-  __m512 acc[Q][4];
-  for (int j = 0; j < Q; ++j)
-    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < num_pairs; p += 4) {
-    for (int c = 0; c < 4; ++c) {
-      const __m512bh k = as_bf16x32(_mm512_loadu_si512(tile + (p + c) * 16));
-      for (int j = 0; j < Q; ++j)
-        acc[j][c] = _mm512_dpbf16_ps(acc[j][c], as_bf16x32(_mm512_set1_epi32(static_cast<int32_t>(query_pairs[j][p + c]))), k);
-    }
-  }
-  for (int j = 0; j < Q; ++j) out[j] = _mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]), _mm512_add_ps(acc[j][2], acc[j][3]));
-}
-
-// acc[g] += sum_t weights[g][t] * rows[t] for Group <= 4 queries, rows taken in pairs (t, t + 1):
-// their values interleaved, the pair's two bfloat16 weights broadcast, one dpbf16ps per 16
-// outputs. An odd len's last row pairs with a row of zeros (its weight is 0 too: the weights past
-// a query's keys are), so nothing of another row enters, not even 0 x inf. 64 outputs at a time, 4 x Group accumulators in registers, kept in
-// the interleaved order: output d of a 64-block sits at bf16_sum_slot(d) (put back at the end).
-alignas(64) constexpr uint8_t kZeroRow[128] = {};  // 64 bfloat16 zeros
-
-template <int64_t Group>
-void weighted_sum_bf16(const uint32_t* const* weight_pairs, const uint8_t* const* rows, int64_t len,
-                       int64_t head_dim, float* const* acc_rows) {
-  for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row(rows[t], 2 * head_dim);
-  for (int64_t d = 0; d < head_dim; d += 64) {
-    __m512 acc[Group][4];
-    for (int64_t g = 0; g < Group; ++g)
-      for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(acc_rows[g] + d + 16 * c);
-    for (int64_t t = 0; t < len; t += 2) {
-      if (t + kPrefetchRows < len) {
-        prefetch_row(rows[t + kPrefetchRows] + 2 * d, 128);
-        prefetch_row(rows[t + kPrefetchRows + 1 < len ? t + kPrefetchRows + 1 : t + kPrefetchRows] + 2 * d, 128);
-      }
-      const uint8_t* a = rows[t] + 2 * d;
-      const uint8_t* b = t + 1 < len ? rows[t + 1] + 2 * d : kZeroRow;
-      const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64);
-      const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64);
-      const __m512bh x[4] = {as_bf16x32(_mm512_unpacklo_epi16(a0, b0)), as_bf16x32(_mm512_unpackhi_epi16(a0, b0)),
-                             as_bf16x32(_mm512_unpacklo_epi16(a1, b1)), as_bf16x32(_mm512_unpackhi_epi16(a1, b1))};
-      for (int64_t g = 0; g < Group; ++g) {
-        const __m512bh w = as_bf16x32(_mm512_set1_epi32(static_cast<int32_t>(weight_pairs[g][t / 2])));
-        for (int64_t c = 0; c < 4; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, x[c]);
-      }
-    }
-    for (int64_t g = 0; g < Group; ++g)
-      for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc_rows[g] + d + 16 * c, acc[g][c]);
-  }
-}
-
-void weighted_sum_bf16_up_to_4(const uint32_t* const* weight_pairs, const uint8_t* const* rows, int64_t len,
-                               int64_t head_dim, int64_t group, float* const* acc_rows) {
-  switch (group) {
-    case 1: weighted_sum_bf16<1>(weight_pairs, rows, len, head_dim, acc_rows); break;
-    case 2: weighted_sum_bf16<2>(weight_pairs, rows, len, head_dim, acc_rows); break;
-    case 3: weighted_sum_bf16<3>(weight_pairs, rows, len, head_dim, acc_rows); break;
-    default: weighted_sum_bf16<4>(weight_pairs, rows, len, head_dim, acc_rows);
-  }
-}
-#endif
-
-// Where weighted_sum_bf16 keeps output d (0..63) of a 64-block: unpacklo/hi_epi16 interleave the
-// 4 low / 4 high values of each 8-value lane, so accumulator c holds, in slot k, output
-// 32 (c / 2) + 8 (k / 4) + 4 (c % 2) + k % 4.
-inline int64_t bf16_sum_slot(int64_t d) {
-  const int64_t within = d % 32, c = (d / 32) * 2 + (within % 8) / 4, k = (within / 8) * 4 + within % 4;
-  return 16 * c + k;
-}
-
-
-// The same in plain loops (no AVX2), one query at a time.
-template <typename Row>
-void weighted_sum_plain(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                        int64_t group, float* const* acc_rows, float* row_buffer) {
-  for (int64_t t = 0; t < len; ++t) {
-    const float* x = Row::values(rows[t], head_dim, row_buffer);
-    for (int64_t g = 0; g < group; ++g) add_scaled(acc_rows[g], weights[g][t], x, head_dim);
-  }
-}
+using namespace pagedllm_cpu;
 
 constexpr int64_t kTileRows = 16;  // query tokens of one sequence that share a task
 
@@ -543,7 +86,7 @@ struct Attend {
 
   // one task's working memory, reused from task to task on a thread
   struct Work {
-    std::vector<float> scores, accs, inv_sums, row_buffer, k_widened, v_widened, row_scales, query_floats;
+    std::vector<float> scores, accs, inv_sums, k_widened, v_widened, row_scales, query_floats;
     std::vector<int64_t> lens, seqs, rows, heads, group_of, previous_group_of, run_starts, leaders, leader_blocks;
     std::vector<const float*> queries, weights;
     std::vector<const uint16_t*> queries_bf16;  // BFloat16PairRow: the queries where they lie
@@ -574,7 +117,7 @@ struct Attend {
     w.query_floats.resize(query_type == at::kFloat ? 0 : num_queries * head_dim);
     for (int64_t q = 0; q < num_queries; ++q) {
       const int64_t offset = (w.rows[q] * num_heads + w.heads[q]) * head_dim;
-      if constexpr (std::is_same_v<Row, BFloat16PairRow>) {  // read as bfloat16, where it lies
+      if constexpr (Row::kIsPairs) {  // read as bfloat16, where it lies
         w.queries_bf16.push_back(static_cast<const uint16_t*>(query) + offset);
         continue;
       }
@@ -591,14 +134,13 @@ struct Attend {
     const int64_t stride = (max_len + 15) / 16 * 16 + 16;  // room for a last dot8 or 16-key tile
     w.scores.resize(num_queries * stride);  // every key up to a query's length is scored; past it, zeroed below
     w.accs.assign(num_queries * head_dim, 0.f);
-    w.row_buffer.resize(head_dim);
     segment(max_len, w);
     for (const Segment& seg : w.segments) {
       segment_rows(kv_head, seg, w);
-      score_block(seg.ids, seg.begin, seg.end, w, stride);
+      score_block(seg.ids, seg.begin, w, stride);
     }
     w.inv_sums.resize(num_queries);
-    if constexpr (std::is_same_v<Row, BFloat16PairRow>) {
+    if constexpr (Row::kIsPairs) {
       softmax_to_bf16(num_queries, stride, w);
     } else {
       for (int64_t q = 0; q < num_queries; ++q) {
@@ -615,7 +157,7 @@ struct Attend {
       const int64_t offset = (w.rows[q] * num_heads + w.heads[q]) * head_dim;
       const float* acc = w.accs.data() + q * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) {
-        const int64_t slot = std::is_same_v<Row, BFloat16PairRow> ? d / 64 * 64 + bf16_sum_slot(d % 64) : d;
+        const int64_t slot = Row::kIsPairs ? d / 64 * 64 + bf16_sum_slot(d % 64) : d;
         const float value = acc[slot] * w.inv_sums[q];
         if (query_type == at::kFloat) static_cast<float*>(out)[offset + d] = value;
         else if (query_type == at::kBFloat16) static_cast<c10::BFloat16*>(out)[offset + d] = c10::BFloat16(value);
@@ -678,40 +220,34 @@ struct Attend {
   // even) for weighted_sum_bf16, zero past its keys; 1 / their sum in inv_sums (NaN, with zero
   // weights, when a score is NaN or infinite, as SDPA gives it).
   static void softmax_to_bf16(int64_t num_queries, int64_t stride, Work& w) {
-#if PAGEDLLM_AVX512BF16
+    using V = FloatVec16;
     w.weights_bf16.resize(num_queries * stride);
     for (int64_t q = 0; q < num_queries; ++q) {
       const float* x = w.scores.data() + q * stride;
       uint16_t* out = w.weights_bf16.data() + q * stride;
       const int64_t len = w.lens[q];
-      __m512 max16 = _mm512_set1_ps(x[0]), check = _mm512_setzero_ps();  // x - x: 0 when finite
+      V max16 = V::broadcast(x[0]), check = V::zero();  // x - x: 0 when finite
       for (int64_t t = 0; t < len; t += 16) {
-        const __mmask16 in = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
-        const __m512 v = _mm512_mask_loadu_ps(max16, in, x + t);
-        max16 = _mm512_max_ps(max16, v);
-        check = _mm512_add_ps(check, _mm512_sub_ps(v, v));
+        const V v = V::load_first(x + t, len - t, max16);
+        max16 = V::max(max16, v);
+        check = V::add(check, V::sub(v, v));
       }
-      if (!(_mm512_reduce_add_ps(check) == 0.f)) {
+      if (!(check.reduce_add() == 0.f)) {
         std::fill(out, out + stride, uint16_t{0});
         w.inv_sums[q] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
-      const __m512 max_value = _mm512_set1_ps(_mm512_reduce_max_ps(max16));
-      __m512 sum = _mm512_setzero_ps();
+      const V max_value = V::broadcast(max16.reduce_max());
+      V sum = V::zero();
       int64_t t = 0;
       for (; t < len; t += 16) {
-        const __mmask16 in = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(in, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + t), max_value)));
-        sum = _mm512_add_ps(sum, e);
-        const __m256bh rounded = _mm512_cvtneps_pbh(e);
-        std::memcpy(out + t, &rounded, sizeof(rounded));
+        const V e = exp_nonpositive(V::sub(V::load_first(x + t, len - t, V::zero()), max_value)).keep_first(len - t);
+        sum = V::add(sum, e);
+        Row::Pairs::store_rounded(out + t, e);
       }
       std::fill(out + t, out + stride, uint16_t{0});
-      w.inv_sums[q] = 1.f / _mm512_reduce_add_ps(sum);
+      w.inv_sums[q] = 1.f / sum.reduce_add();
     }
-#else
-    (void)num_queries, (void)stride, (void)w;
-#endif
   }
 
   static int64_t group_max_len(const std::vector<int64_t>& ids, const Work& w) {
@@ -724,7 +260,7 @@ struct Attend {
   // it hold the same blocks there); k_rows padded to a multiple of 8 with its last row.
   void segment_rows(int64_t kv_head, const Segment& seg, Work& w) const {
     const int64_t token_stride = num_kv_heads * row_bytes, block_stride = block_size * token_stride;
-    const int64_t keys_at_once = std::is_same_v<Row, BFloat16PairRow> ? 16 : kLanes;
+    const int64_t keys_at_once = Row::kIsPairs ? 16 : kLanes;
     const int64_t n = seg.end - seg.begin, padded = (n + keys_at_once - 1) / keys_at_once * keys_at_once;
     const int64_t* table = block_tables + w.seqs[seg.ids[0]] * max_blocks;
     w.k_rows.resize(padded);
@@ -740,87 +276,75 @@ struct Attend {
     std::fill(w.k_rows.begin() + n, w.k_rows.end(), w.k_rows[n - 1]);
   }
 
-  void score_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride) const {
+  void score_block(const std::vector<int64_t>& ids, int64_t begin, Work& w, int64_t stride) const {
+    if constexpr (Row::kIsPairs) score_tiles(ids, begin, w, stride);
+    else score_rows(ids, begin, w, stride);
+  }
+
+  // 8 keys at a time: dot8, or dot8_wide on rows widened to float32 once for every query here
+  void score_rows(const std::vector<int64_t>& ids, int64_t begin, Work& w, int64_t stride) const {
     const int64_t padded = static_cast<int64_t>(w.k_rows.size());
-#if PAGEDLLM_AVX512BF16
-    if constexpr (std::is_same_v<Row, BFloat16PairRow>) {  // 16 keys at a time, transposed once
-      const __m512 scales = _mm512_set1_ps(scale);
-      for (int64_t i = 0; i < std::min(padded, kPrefetchRows); ++i) prefetch_row(w.k_rows[i], row_bytes);
-      w.tile.resize(head_dim * 8);
-      for (int64_t t = 0; t < padded; t += 16) {
-        for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + 16); ++i)
-          prefetch_row(w.k_rows[i], row_bytes);
-        w.query_pairs.clear();
-        w.active.clear();
-        for (int64_t q : ids)
-          if (begin + t < w.lens[q]) {  // keys past a query's own are skipped
-            w.active.push_back(q);
-            w.query_pairs.push_back(reinterpret_cast<const uint32_t*>(w.queries_bf16[q]));
-          }
-        if (w.active.empty()) continue;
-        transpose_rows16(w.k_rows.data() + t, head_dim, w.tile.data());
-        const int64_t num_active = static_cast<int64_t>(w.active.size());
-        for (int64_t j = 0; j < num_active; j += 4) {
-          const int64_t count = std::min<int64_t>(4, num_active - j);
-          const uint32_t* const* queries = w.query_pairs.data() + j;
-          __m512 dots[4];
-          switch (count) {
-            case 1: scores16_bf16<1>(queries, w.tile.data(), head_dim / 2, dots); break;
-            case 2: scores16_bf16<2>(queries, w.tile.data(), head_dim / 2, dots); break;
-            case 3: scores16_bf16<3>(queries, w.tile.data(), head_dim / 2, dots); break;
-            default: scores16_bf16<4>(queries, w.tile.data(), head_dim / 2, dots);
-          }
-          for (int64_t c = 0; c < count; ++c)
-            _mm512_storeu_ps(w.scores.data() + w.active[j + c] * stride + begin + t, _mm512_mul_ps(dots[c], scales));
-        }
-      }
-      return;
-    }
-#endif
     w.row_scales.resize(padded);
     for (int64_t i = 0; i < padded; ++i) w.row_scales[i] = Row::scale(w.k_rows[i], head_dim) * scale;
-#if PAGEDLLM_AVX2
-    const uint8_t* const* rows = w.k_rows.data();
-    bool widened = false;
-#if PAGEDLLM_AVX512
-    if (head_dim % 64 == 0) {  // read as float32 rows, widened once for every query here
-      if constexpr (!std::is_same_v<Row, FloatRow>) widen_rows<Row>(w.k_rows.data(), padded, head_dim, w.k_widened, w.k_wide);
-      else w.k_wide = w.k_rows;
-      rows = w.k_wide.data();
-      widened = true;
+    const bool widened = kHasAvx512 && head_dim % 64 == 0;
+    if (widened) {
+      if constexpr (Row::kIsFloat32) w.k_wide = w.k_rows;
+      else widen_rows<Row>(w.k_rows.data(), padded, head_dim, w.k_widened, w.k_wide);
     }
-#endif
+    const uint8_t* const* rows = widened ? w.k_wide.data() : w.k_rows.data();
     for (int64_t t = 0; t < padded; t += kLanes) {
       if (!widened)
         for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + kLanes); ++i)
           prefetch_row(rows[i], Row::bytes(head_dim));
-      const __m256 scales = _mm256_loadu_ps(w.row_scales.data() + t);
+      const FloatVec8 scales = FloatVec8::load(w.row_scales.data() + t);
       for (int64_t q : ids) {
         if (begin + t >= w.lens[q]) continue;  // keys past this query's own
-#if PAGEDLLM_AVX512
-        const __m256 dots = widened ? dot8_avx512(w.queries[q], reinterpret_cast<const float* const*>(rows + t), head_dim)
-                                    : dot8<Row>(w.queries[q], rows + t, head_dim);
-#else
-        const __m256 dots = dot8<Row>(w.queries[q], rows + t, head_dim);
-#endif
-        _mm256_storeu_ps(w.scores.data() + q * stride + begin + t, _mm256_mul_ps(dots, scales));
+        const FloatVec8 dots = widened ? dot8_wide(w.queries[q], reinterpret_cast<const float* const*>(rows + t), head_dim)
+                                       : dot8<Row>(w.queries[q], rows + t, head_dim);
+        FloatVec8::mul(dots, scales).store(w.scores.data() + q * stride + begin + t);
       }
     }
-    (void)widened;
-#else
-    for (int64_t t = 0; t < end - begin; ++t) {
-      const float* k = Row::values(w.k_rows[t], head_dim, w.row_buffer.data());
+  }
+
+  // BFloat16PairRow: 16 keys at a time, transposed once
+  void score_tiles(const std::vector<int64_t>& ids, int64_t begin, Work& w, int64_t stride) const {
+    using Pairs = typename Row::Pairs;
+    const int64_t padded = static_cast<int64_t>(w.k_rows.size());
+    const FloatVec16 scales = FloatVec16::broadcast(scale);
+    for (int64_t i = 0; i < std::min(padded, kPrefetchRows); ++i) prefetch_row(w.k_rows[i], row_bytes);
+    w.tile.resize(head_dim * 8);
+    for (int64_t t = 0; t < padded; t += 16) {
+      for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + 16); ++i)
+        prefetch_row(w.k_rows[i], row_bytes);
+      w.query_pairs.clear();
+      w.active.clear();
       for (int64_t q : ids)
-        if (begin + t < w.lens[q]) w.scores[q * stride + begin + t] = dot(w.queries[q], k, head_dim) * w.row_scales[t];
+        if (begin + t < w.lens[q]) {  // keys past a query's own are skipped
+          w.active.push_back(q);
+          w.query_pairs.push_back(reinterpret_cast<const uint32_t*>(w.queries_bf16[q]));
+        }
+      if (w.active.empty()) continue;
+      transpose_rows16<Pairs>(w.k_rows.data() + t, head_dim, w.tile.data());
+      const int64_t num_active = static_cast<int64_t>(w.active.size());
+      for (int64_t j = 0; j < num_active; j += 4) {
+        const int64_t count = std::min<int64_t>(4, num_active - j);
+        const uint32_t* const* queries = w.query_pairs.data() + j;
+        FloatVec16 dots[4];
+        switch (count) {
+          case 1: scores16_bf16<Pairs, 1>(queries, w.tile.data(), head_dim / 2, dots); break;
+          case 2: scores16_bf16<Pairs, 2>(queries, w.tile.data(), head_dim / 2, dots); break;
+          case 3: scores16_bf16<Pairs, 3>(queries, w.tile.data(), head_dim / 2, dots); break;
+          default: scores16_bf16<Pairs, 4>(queries, w.tile.data(), head_dim / 2, dots);
+        }
+        for (int64_t c = 0; c < count; ++c)
+          FloatVec16::mul(dots[c], scales).store(w.scores.data() + w.active[j + c] * stride + begin + t);
+      }
     }
-#endif
   }
 
   void sum_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride) const {
     const int64_t n = end - begin, num = static_cast<int64_t>(ids.size());
-    // 8-bit rows: their scale goes onto the weights
-    if constexpr (!std::is_same_v<Row, FloatRow> && !std::is_same_v<Row, HalfWidthRow<c10::BFloat16>> &&
-                  !std::is_same_v<Row, HalfWidthRow<c10::Half>> && !std::is_same_v<Row, BFloat16PairRow>) {
+    if constexpr (Row::kIsScaled) {  // 8-bit rows: their scale goes onto the weights
       for (int64_t i = 0; i < n; ++i) {
         const float v_scale = Row::scale(w.v_rows[i], head_dim);
         for (int64_t q : ids) w.scores[q * stride + begin + i] *= v_scale;
@@ -832,41 +356,30 @@ struct Attend {
       w.weights[j] = w.scores.data() + ids[j] * stride + begin;
       w.acc_rows[j] = w.accs.data() + ids[j] * head_dim;
     }
-#if PAGEDLLM_AVX512BF16
-    if constexpr (std::is_same_v<Row, BFloat16PairRow>) {  // begin is even: pairs start on it
+    if constexpr (Row::kIsPairs) {  // begin is even: pairs start on it
       w.weight_pairs.resize(num);
       for (int64_t j = 0; j < num; ++j)
         w.weight_pairs[j] = reinterpret_cast<const uint32_t*>(w.weights_bf16.data() + ids[j] * stride + begin);
       for (int64_t j = 0; j < num; j += 4)
-        weighted_sum_bf16_up_to_4(w.weight_pairs.data() + j, w.v_rows.data(), n, head_dim, std::min<int64_t>(4, num - j),
-                                  w.acc_rows.data() + j);
-      return;
-    }
-#endif
-#if PAGEDLLM_AVX512
-    if (head_dim % 64 == 0) {
-      const bool widen = num > 4 && !std::is_same_v<Row, FloatRow>;  // several passes read them
+        weighted_sum_bf16_up_to_4<typename Row::Pairs>(w.weight_pairs.data() + j, w.v_rows.data(), n, head_dim,
+                                                       std::min<int64_t>(4, num - j), w.acc_rows.data() + j);
+    } else if (kHasAvx512 && head_dim % 64 == 0) {
+      const bool widen = num > 4 && !Row::kIsFloat32;  // several passes read them
       if (widen) widen_rows<Row>(w.v_rows.data(), n, head_dim, w.v_widened, w.v_wide);
       for (int64_t j = 0; j < num; j += 4) {
         const int64_t count = std::min<int64_t>(4, num - j);
         if (widen)
-          weighted_sum_avx512_up_to_4<FloatRow>(w.weights.data() + j, w.v_wide.data(), n, head_dim, count,
-                                                w.acc_rows.data() + j);
+          weighted_sum_wide_up_to_4<FloatRow>(w.weights.data() + j, w.v_wide.data(), n, head_dim, count,
+                                              w.acc_rows.data() + j);
         else
-          weighted_sum_avx512_up_to_4<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, count,
-                                           w.acc_rows.data() + j);
+          weighted_sum_wide_up_to_4<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, count,
+                                         w.acc_rows.data() + j);
       }
-      return;
+    } else {
+      for (int64_t j = 0; j < num; j += kLanes)
+        weighted_sum_up_to_8<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, std::min(kLanes, num - j),
+                                  w.acc_rows.data() + j);
     }
-#endif
-#if PAGEDLLM_AVX2
-    for (int64_t j = 0; j < num; j += kLanes)
-      weighted_sum_up_to_8<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, std::min(kLanes, num - j),
-                                w.acc_rows.data() + j);
-#else
-    weighted_sum_plain<Row>(w.weights.data(), w.v_rows.data(), n, head_dim, num, w.acc_rows.data(),
-                            w.row_buffer.data());
-#endif
   }
 };
 
@@ -883,6 +396,9 @@ void attend(const Attend<Row>& attend, const std::vector<Part>& parts, const std
     }
   });
 }
+
+// BFloat16PairRow where this build has AVX512-BF16 (elsewhere pair_rows is false and this unused).
+using PairRowWhereBuilt = std::conditional_t<kHasAvx512Bf16, BFloat16PairRow, UnscaledRow<c10::BFloat16>>;
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -958,7 +474,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   }
   if (num_decodes) task_starts.push_back(static_cast<int64_t>(parts.size()));
   at::Tensor out = at::empty_like(q);
-  const bool pair_rows = PAGEDLLM_AVX512BF16 && query_type == at::kBFloat16 && head_dim % 64 == 0 && block_size % 2 == 0;
+  const bool pair_rows = kHasAvx512Bf16 && query_type == at::kBFloat16 && head_dim % 64 == 0 && block_size % 2 == 0;
   const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
   auto run = [&](auto row_kind) {
     using Row = decltype(row_kind);
@@ -980,13 +496,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   switch (cache_type) {
     case at::kFloat: run(FloatRow{}); break;
     case at::kBFloat16:
-      if (pair_rows) run(BFloat16PairRow{});
-      else run(HalfWidthRow<c10::BFloat16>{});
+      if (pair_rows) run(PairRowWhereBuilt{});
+      else run(UnscaledRow<c10::BFloat16>{});
       break;
-    case at::kHalf: run(HalfWidthRow<c10::Half>{}); break;
-    case at::kChar: run(QuantizedRow<int8_t>{}); break;
-    case at::kFloat8_e4m3fn: run(QuantizedRow<c10::Float8_e4m3fn>{}); break;
-    case at::kFloat8_e5m2: run(QuantizedRow<c10::Float8_e5m2>{}); break;
+    case at::kHalf: run(UnscaledRow<c10::Half>{}); break;
+    case at::kChar: run(Int8Row{}); break;
+    case at::kFloat8_e4m3fn: run(Float8Row<c10::Float8_e4m3fn>{}); break;
+    case at::kFloat8_e5m2: run(Float8Row<c10::Float8_e5m2>{}); break;
     default: TORCH_CHECK(false, "paged_attention: no kernel for a ", cache_type, " cache");
   }
   return out;

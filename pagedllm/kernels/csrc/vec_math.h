@@ -4,11 +4,8 @@
 #include <c10/util/bit_cast.h>
 
 #include <cstdint>
-#include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "cpu_types.h"
 
 namespace pagedllm_cpu {
 
@@ -30,13 +27,22 @@ inline float exp_nonpositive(float x) {
   return p * c10::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// 32 bfloat16 values loaded as integers, as the type dpbf16ps takes (the same bits).
-inline __m512bh as_bf16x32(__m512i x) {
-  __m512bh y;
-  std::memcpy(&y, &x, sizeof(y));
-  return y;
+// The same, 16 lanes at a time: the same clamp, rounding and polynomial (its last step grouped
+// as fma(p r, r, r + 1), so not always bit for bit the scalar's; each path uses only one).
+inline FloatVec16 exp_nonpositive(FloatVec16 x) {
+  using V = FloatVec16;
+  x = V::max(x, V::broadcast(-87.f));
+  const V round = V::broadcast(12582912.f);
+  const V k = V::sub(V::fma(x, V::broadcast(1.44269504088896341f), round), round);
+  const V r = V::fma(k, V::broadcast(2.12194440e-4f), V::fnmadd(k, V::broadcast(0.693359375f), x));
+  V p = V::broadcast(1.9875691500e-4f);
+  p = V::fma(p, r, V::broadcast(1.3981999507e-3f));
+  p = V::fma(p, r, V::broadcast(8.3334519073e-3f));
+  p = V::fma(p, r, V::broadcast(4.1665795894e-2f));
+  p = V::fma(p, r, V::broadcast(1.6666665459e-1f));
+  p = V::fma(p, r, V::broadcast(5.0000001201e-1f));
+  p = V::fma(V::mul(p, r), r, V::add(r, V::broadcast(1.f)));
+  return V::mul(p, V::pow2(k));
 }
-#endif
 
 }  // namespace pagedllm_cpu

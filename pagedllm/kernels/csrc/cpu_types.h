@@ -1,0 +1,276 @@
+// The kernels' vector types, and the one place their instruction set is chosen.
+//
+// PAGEDLLM_CPU_ISA comes from what the compiler targets (-march=native): 3 AVX-512 with BF16,
+// 2 AVX-512, 1 AVX2 + FMA + F16C, 0 none. Every section below is keyed on it, and nothing else
+// in the kernels tests an instruction set: they are written in these types and pick among their
+// paths with the constants kHasAvx2 / kHasAvx512 / kHasAvx512Bf16.
+//
+//   FloatVec8    8 floats: one AVX2 register, else plain loops.
+//   FloatVec16   16 floats: one AVX-512 register, else plain loops (the kernels take 16-lane paths
+//                only where kHasAvx512; elsewhere these compile and are never reached).
+//   Bf16PairVec  16 pairs of bfloat16 for dpbf16ps; AVX512-BF16 builds only (declared elsewhere,
+//                reached only through templates instantiated there).
+//
+// Each operation is one instruction or a fixed sequence of them, so a sum's order is the code's.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/bit_cast.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512BF16__) && \
+    defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGEDLLM_CPU_ISA 3
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX2__) && \
+    defined(__FMA__) && defined(__F16C__)
+#define PAGEDLLM_CPU_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGEDLLM_CPU_ISA 1
+#else
+#define PAGEDLLM_CPU_ISA 0
+#endif
+
+#if PAGEDLLM_CPU_ISA >= 1
+#include <immintrin.h>
+#endif
+
+namespace pagedllm_cpu {
+
+constexpr bool kHasAvx2 = PAGEDLLM_CPU_ISA >= 1;
+constexpr bool kHasAvx512 = PAGEDLLM_CPU_ISA >= 2;
+constexpr bool kHasAvx512Bf16 = PAGEDLLM_CPU_ISA >= 3;
+
+// N floats in plain loops: a width the instruction set has no register for.
+template <int N>
+struct ArrayVec {
+  static constexpr int64_t kLanes = N;
+  float v[N];
+
+  static ArrayVec broadcast(float x) {
+    ArrayVec r;
+    std::fill(r.v, r.v + N, x);
+    return r;
+  }
+  static ArrayVec zero() { return broadcast(0.f); }
+  template <typename T>  // float, c10::BFloat16, c10::Half or int8_t
+  static ArrayVec load(const T* p) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  // the first n lanes from p, the others from rest
+  static ArrayVec load_first(const float* p, int64_t n, ArrayVec rest) {
+    for (int i = 0; i < N && i < n; ++i) rest.v[i] = p[i];
+    return rest;
+  }
+  void store(float* p) const { std::copy(v, v + N, p); }
+  ArrayVec keep_first(int64_t n) const {  // lanes from n on zeroed
+    ArrayVec r = *this;
+    for (int64_t i = std::max<int64_t>(n, 0); i < N; ++i) r.v[i] = 0.f;
+    return r;
+  }
+
+  template <typename F>
+  static ArrayVec map(ArrayVec a, ArrayVec b, F f) {
+    for (int i = 0; i < N; ++i) a.v[i] = f(a.v[i], b.v[i]);
+    return a;
+  }
+  static ArrayVec add(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x + y; }); }
+  static ArrayVec sub(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x - y; }); }
+  static ArrayVec mul(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x * y; }); }
+  static ArrayVec max(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x > y ? x : y; }); }
+  static ArrayVec fma(ArrayVec a, ArrayVec b, ArrayVec c) {  // a * b + c
+    for (int i = 0; i < N; ++i) c.v[i] += a.v[i] * b.v[i];
+    return c;
+  }
+  static ArrayVec fnmadd(ArrayVec a, ArrayVec b, ArrayVec c) {  // c - a * b
+    for (int i = 0; i < N; ++i) c.v[i] -= a.v[i] * b.v[i];
+    return c;
+  }
+  static ArrayVec pow2(ArrayVec k) {  // 2^k for whole k in float's normal range
+    for (int i = 0; i < N; ++i) k.v[i] = c10::bit_cast<float>((static_cast<int32_t>(std::nearbyint(k.v[i])) + 127) << 23);
+    return k;
+  }
+  static ArrayVec select(uint32_t mask, ArrayVec a, ArrayVec b) {  // lane i from a where bit i is set
+    for (int i = 0; i < N; ++i) b.v[i] = (mask >> i) & 1 ? a.v[i] : b.v[i];
+    return b;
+  }
+  static uint32_t greater(ArrayVec a, ArrayVec b) {
+    uint32_t mask = 0;
+    for (int i = 0; i < N; ++i) mask |= uint32_t{a.v[i] > b.v[i]} << i;
+    return mask;
+  }
+  static uint32_t nan_lanes(ArrayVec a) {
+    uint32_t mask = 0;
+    for (int i = 0; i < N; ++i) mask |= uint32_t{std::isnan(a.v[i])} << i;
+    return mask;
+  }
+  float reduce_add() const {
+    float sum = 0.f;
+    for (float x : v) sum += x;
+    return sum;
+  }
+  float reduce_max() const { return *std::max_element(v, v + N); }
+  // lane i: the sum of acc[i]'s 8 lanes, in the order FloatVec8's AVX2 transpose-and-add takes
+  static ArrayVec sum_each(const ArrayVec* acc) {
+    static_assert(N == 8);
+    ArrayVec r;
+    for (int i = 0; i < 8; ++i) {
+      const float* a = acc[i].v;
+      r.v[i] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+    return r;
+  }
+};
+
+#if PAGEDLLM_CPU_ISA >= 1
+struct FloatVec8 {
+  static constexpr int64_t kLanes = 8;
+  __m256 v;
+
+  static FloatVec8 zero() { return {_mm256_setzero_ps()}; }
+  static FloatVec8 broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  static FloatVec8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static FloatVec8 load(const c10::BFloat16* p) {  // a bfloat16 is the top half of a float32
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))};
+  }
+  static FloatVec8 load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static FloatVec8 load(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static FloatVec8 add(FloatVec8 a, FloatVec8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static FloatVec8 mul(FloatVec8 a, FloatVec8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static FloatVec8 fma(FloatVec8 a, FloatVec8 b, FloatVec8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  // lane i: the sum of acc[i]'s 8 lanes, one transpose-and-add for all 8 (no horizontal sum per
+  // vector), every lane's sum in the same order
+  static FloatVec8 sum_each(const FloatVec8* acc) {
+    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0].v, acc[1].v), _mm256_hadd_ps(acc[2].v, acc[3].v));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4].v, acc[5].v), _mm256_hadd_ps(acc[6].v, acc[7].v));
+    // s0123 = [vectors 0-3, lanes 0-3 summed | vectors 0-3, lanes 4-7 summed]; likewise s4567
+    return {_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31))};
+  }
+};
+#else
+using FloatVec8 = ArrayVec<8>;
+#endif
+
+#if PAGEDLLM_CPU_ISA >= 2
+struct FloatVec16 {
+  static constexpr int64_t kLanes = 16;
+  __m512 v;
+
+  static FloatVec16 zero() { return {_mm512_setzero_ps()}; }
+  static FloatVec16 broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static FloatVec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static FloatVec16 load(const c10::BFloat16* p) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16))};
+  }
+  static FloatVec16 load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static FloatVec16 load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static FloatVec16 load_first(const float* p, int64_t n, FloatVec16 rest) {
+    return {_mm512_mask_loadu_ps(rest.v, first_lanes(n), p)};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  FloatVec16 keep_first(int64_t n) const { return {_mm512_maskz_mov_ps(first_lanes(n), v)}; }
+  static FloatVec16 add(FloatVec16 a, FloatVec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static FloatVec16 sub(FloatVec16 a, FloatVec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static FloatVec16 mul(FloatVec16 a, FloatVec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static FloatVec16 max(FloatVec16 a, FloatVec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static FloatVec16 fma(FloatVec16 a, FloatVec16 b, FloatVec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static FloatVec16 fnmadd(FloatVec16 a, FloatVec16 b, FloatVec16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
+  static FloatVec16 pow2(FloatVec16 k) {
+    const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k.v), _mm512_set1_epi32(127)), 23);
+    return {_mm512_castsi512_ps(exponent)};
+  }
+  static FloatVec16 select(uint32_t mask, FloatVec16 a, FloatVec16 b) {
+    return {_mm512_mask_mov_ps(b.v, static_cast<__mmask16>(mask), a.v)};
+  }
+  static uint32_t greater(FloatVec16 a, FloatVec16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+  static uint32_t nan_lanes(FloatVec16 a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
+  float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+
+ private:
+  static __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+};
+
+// Lanes i and i + 8 added: the 8 partial sums of a 16-lane accumulator.
+inline FloatVec8 fold8(FloatVec16 x) {
+  return {_mm256_add_ps(_mm512_castps512_ps256(x.v), _mm512_extractf32x8_ps(x.v, 1))};
+}
+#else
+using FloatVec16 = ArrayVec<16>;
+
+inline FloatVec8 fold8(const FloatVec16& x) {
+  float folded[8];
+  for (int i = 0; i < 8; ++i) folded[i] = x.v[i] + x.v[i + 8];
+  return FloatVec8::load(folded);
+}
+#endif
+
+#if PAGEDLLM_CPU_ISA >= 3
+struct Bf16PairVec {
+  __m512i v;
+
+  static Bf16PairVec load(const void* p) { return {_mm512_loadu_si512(p)}; }
+  static Bf16PairVec broadcast(uint32_t pair) { return {_mm512_set1_epi32(static_cast<int32_t>(pair))}; }
+  void store(void* p) const { _mm512_storeu_si512(p, v); }
+  // a's and b's bfloat16 values interleaved, from the low / high 4 of each 8-value lane
+  static Bf16PairVec interleave_low(Bf16PairVec a, Bf16PairVec b) { return {_mm512_unpacklo_epi16(a.v, b.v)}; }
+  static Bf16PairVec interleave_high(Bf16PairVec a, Bf16PairVec b) { return {_mm512_unpackhi_epi16(a.v, b.v)}; }
+  // acc + a . b per float lane: each lane's pair of products summed in float32
+  static FloatVec16 dot(FloatVec16 acc, Bf16PairVec a, Bf16PairVec b) {
+    return {_mm512_dpbf16_ps(acc.v, as_bf16(a.v), as_bf16(b.v))};
+  }
+  // 16 floats rounded to bfloat16 (nearest even), stored
+  static void store_rounded(void* p, FloatVec16 x) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(x.v);
+    std::memcpy(p, &rounded, sizeof(rounded));
+  }
+  // 16 vectors of 16 pairs, transposed: r[c] then holds pair c of every vector
+  static void transpose16(Bf16PairVec* r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {  // in each 128-bit block b: elements 4b, 4b+1 / 4b+2, 4b+3 of 2 rows
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i].v, r[2 * i + 1].v);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i].v, r[2 * i + 1].v);
+    }
+    __m512i u[16];
+    for (int i = 0; i < 4; ++i) {  // u[4i + j], block b: element 4b + j of rows 4i .. 4i + 3
+      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {  // the 128-bit blocks of u[j], u[4 + j], u[8 + j], u[12 + j], transposed
+      const __m512i e = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), f = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+      const __m512i g = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), h = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+      r[j].v = _mm512_shuffle_i32x4(e, g, 0x88);
+      r[4 + j].v = _mm512_shuffle_i32x4(e, g, 0xDD);
+      r[8 + j].v = _mm512_shuffle_i32x4(f, h, 0x88);
+      r[12 + j].v = _mm512_shuffle_i32x4(f, h, 0xDD);
+    }
+  }
+
+ private:
+  static __m512bh as_bf16(__m512i x) {  // the same bits, as the type dpbf16ps takes
+    __m512bh y;
+    std::memcpy(&y, &x, sizeof(y));
+    return y;
+  }
+};
+#else
+struct Bf16PairVec;
+#endif
+
+}  // namespace pagedllm_cpu
