@@ -40,14 +40,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         super().__init__()
         tp_size = tp.world_size if tp is not None else 1
-        self.num_heads = config.num_attention_heads // tp_size
-        self.num_kv_heads = config.num_key_value_heads // tp_size
+        num_heads = config.num_attention_heads // tp_size
+        num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = config.q_size // tp_size
         self.qkv_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.q_size, config.kv_size, config.kv_size], config.attention_bias, tp
         )
         # rotary, the K/V write and paged attention: the step's backend (attention/backend.py)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, config.head_dim**-0.5)
+        self.attn = Attention(num_heads, num_kv_heads, config.head_dim, config.head_dim**-0.5)
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, tp)
 
     def forward(
