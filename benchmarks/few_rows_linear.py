@@ -23,7 +23,7 @@ import torch
 from pagedllm.bench.throughput import git_sha
 from pagedllm.cpu_features import describe_host
 from pagedllm.kernels import cpu_ops
-from pagedllm.model.linear import linear, pack
+from pagedllm.layers.linear import onednn_linear, pack_onednn
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of each projection
 NUM_LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -59,7 +59,7 @@ def main() -> None:
     ]
     head = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(dtype)
     paths = {
-        "oneDNN": (lambda x, w: linear(x, w), pack),
+        "oneDNN": (lambda x, w: onednn_linear(x, w), pack_onednn),
         "few_rows_linear": (lambda x, w: cpu_ops.few_rows_linear(x, w, None), cpu_ops.pack_few_rows),
     }
     packed = {name: ([pack_fn(w) for w in plain], pack_fn(head)) for name, (_, pack_fn) in paths.items()}

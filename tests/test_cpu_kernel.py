@@ -229,7 +229,7 @@ def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):
     summed = residual + x if with_residual else x
     h = summed.float()
     expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
-    assert cpu_ops.serves_layer_ops(x)
+    assert cpu_ops.serves_layer_ops(x.device, x.dtype)
     out, new_residual = cpu_ops.add_rms_norm(x, residual if with_residual else None, weight, 1e-5)
     assert torch.equal(new_residual, summed)
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=1e-3)
@@ -355,14 +355,15 @@ def test_linear_packed_for_the_few_rows_kernel_answers_every_row_count():
     """Where the CPU serves bfloat16 through few_rows_linear, a Linear packs its weight for it
     (the same bytes, no second copy) and answers decode-sized and prompt-sized batches alike,
     within one bfloat16 rounding of the exact product."""
-    from pagedllm.model.linear import Linear
+    from pagedllm.layers.linear import Linear
 
     layer = Linear(576, 960, bias=False).to(torch.bfloat16)
     if not cpu_ops.serves_few_rows_linear(layer.weight):
         pytest.skip("this CPU has no few-rows kernel for bfloat16 (or has AMX)")
     plain = layer.weight.detach().clone()
-    layer.pack_weight()
-    assert layer.few_rows and layer.weight.numel() * layer.weight.element_size() == plain.numel() * 2
+    layer.choose_impl(layer.weight.device, layer.weight.dtype)
+    assert layer.impl is cpu_ops.few_rows_linear
+    assert layer.weight.numel() * layer.weight.element_size() == plain.numel() * 2
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
     exact = x.double() @ plain.double().T

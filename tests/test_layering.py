@@ -27,6 +27,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
     ["structured_output", "metrics", "request"],
     ["core"],
     ["kernels", "attention", "distributed"],
+    ["layers"],
     ["model", "sample"],
     ["worker"],
     ["executor"],

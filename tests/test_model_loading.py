@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.loader import MODEL_CLASSES, default_model_path
 from pagedllm.worker.kv_cache import KVCacheSpec, plan_kv_cache
 
 from .helpers import TEST_ENGINE_ARGS
@@ -27,6 +27,10 @@ def test_gguf_conversion_equals_transformers_gguf_weights(reference):
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: the embedding serves as lm_head
     for name, tensor in ours.items():
         assert torch.equal(tensor.float(), theirs[name].float()), name  # Q/K rows un-permuted, exact dequant
+
+
+def test_every_supported_architecture_has_a_model_class():
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 
 
 def test_default_model_config_and_kv_size_match_vllm_report():

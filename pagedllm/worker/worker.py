@@ -1,10 +1,11 @@
 """Worker: one device's resources (one tensor-parallel rank's): the model weights, the KV cache
 tensors, the runner.
 
-Start-up order: load the model, find the KV budget (CPU: --kv-cache-memory-bytes, default
-4 GiB; CUDA: --gpu-memory-utilization of the device minus weights and a measured activation
-peak), turn it into blocks (with tensor parallelism, the fewest any rank can hold: the
-scheduler hands out one set of block ids for all), allocate them, build the runner.
+Start-up order: load the model, let its layers choose their kernels (model.prepare), find the
+KV budget (CPU: --kv-cache-memory-bytes, default 4 GiB; CUDA: --gpu-memory-utilization of the
+device minus weights and a measured activation peak), turn it into blocks (with tensor
+parallelism, the fewest any rank can hold: the scheduler hands out one set of block ids for
+all), allocate them, build the runner.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class Worker:
         self.model = load_model(
             self.model_folder, self.model_config, self.dtype, self.device, max_position, self.tp
         )
-        self.packed_copy_bytes = self.model.pack_weights()
+        self.packed_copy_bytes = self.model.prepare()
 
     def plan_kv_cache(self, max_model_len: int) -> KVCachePlan:
         """This rank's cache: its budget in blocks of its share of the KV heads; with tensor

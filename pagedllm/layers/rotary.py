@@ -5,26 +5,30 @@ max_model_len and indexed by each token's position."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from pagedllm.model.config import ModelConfig
 
-
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies after rope scaling: [head_dim / 2]."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if config.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
-    scaling = config.rope_scaling
-    if scaling is None:
+def inverse_frequencies(
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: dict[str, Any] | None,
+    rope_freq_factors: tuple[float, ...] | None,
+) -> torch.Tensor:
+    """Per-pair inverse frequencies after rope scaling: [head_dim / 2]. Arguments as
+    ModelConfig names them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    if rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope_freq_factors, dtype=torch.float32)
+    if rope_scaling is None:
         return inv_freq
-    kind = scaling["rope_type"]
+    kind = rope_scaling["rope_type"]
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(rope_scaling["factor"])
     if kind == "llama3":
-        return _llama3_inverse_frequencies(inv_freq, scaling)
+        return _llama3_inverse_frequencies(inv_freq, rope_scaling)
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear and llama3 are)")
 
 
@@ -44,12 +48,25 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int) -> None:
+    cos_cache: torch.Tensor  # [max_position, head_dim]
+    sin_cache: torch.Tensor  # [max_position, head_dim], its first half negated
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None = None,
+        rope_freq_factors: tuple[float, ...] | None = None,
+    ) -> None:
         super().__init__()
-        self.config = config
+        self.head_dim = head_dim
         self.max_position = max_position
-        self.register_buffer("cos_cache", torch.empty(max_position, config.head_dim), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_position, config.head_dim), persistent=False)
+        self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
+        self.rope_freq_factors = rope_freq_factors
+        self.register_buffer("cos_cache", torch.empty(max_position, head_dim), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_position, head_dim), persistent=False)
         if not self.cos_cache.is_meta:
             self.compute_cache()
 
@@ -57,7 +74,9 @@ class RotaryEmbedding(torch.nn.Module):
         """Fill the cos/sin tables (computed in float32, stored in the model dtype, as Hugging
         Face casts them before use). The sin table's first half is stored negated: see
         attention/backend.py's apply_rotary."""
-        inv_freq = inverse_frequencies(self.config)
+        inv_freq = inverse_frequencies(
+            self.head_dim, self.rope_theta, self.rope_scaling, self.rope_freq_factors
+        )
         positions = torch.arange(self.max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]

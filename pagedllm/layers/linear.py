@@ -1,0 +1,136 @@
+"""Projections, whole or split for tensor parallelism, that run fast on CPU.
+
+How a product is computed is chosen once, when the weights are loaded (`choose_impl`):
+
+- Where cpu_ops.few_rows_linear serves the CPU and dtype (bfloat16 with AVX512-BF16 but no AMX;
+  float32 with AVX2 or AVX-512), the weight is packed for it, and it computes every product: it
+  streams the weight at close to the machine's bandwidth where oneDNN reaches about two thirds of
+  it, and keeps its sums in registers as the rows grow, about oneDNN's speed for prompts.
+- Elsewhere on CPU in float32, and in bfloat16 where the CPU has bfloat16 instructions (AMX: its
+  tiles), the weight is packed into oneDNN's blocked layout and multiplied with oneDNN (the path
+  torch.compile's CPU backend takes).
+- Unpacked on CPU, few-row products (decode steps) go as W @ Xᵀ, which MKL streams from memory
+  better than X @ Wᵀ; from about a hundred rows on the usual orientation is as fast or faster.
+- Off CPU: F.linear.
+
+The timings behind each choice: docs/benchmarks.md, "Figures behind choices in the code".
+
+Tensor parallelism: a column-parallel projection keeps this rank's rows of the output, a
+row-parallel one its columns of the input, and sums the ranks' partial outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.cpu_features import has_fast_bf16
+from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.kernels import cpu_ops
+
+_FEW_ROWS = 96
+
+LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """An unpacked weight on CPU: x: [num_rows, in_features] -> [num_rows, out_features]."""
+    if x.shape[0] > _FEW_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out + bias
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As F.linear, from a weight packed by pack_onednn."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def can_pack_onednn(weight: torch.Tensor) -> bool:
+    """oneDNN packing pays on CPU in float32, and in bfloat16 where the CPU has bfloat16
+    instructions; elsewhere oneDNN's bfloat16 falls back to slow reference kernels."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and has_fast_bf16())
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """The same [out_features, in_features] weight in oneDNN's layout for onednn_linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor in, refusing one of another shape."""
+    if target.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} != expected {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+class Linear(nn.Linear):
+    """A projection whole on every rank: y = x Wᵀ (+ b)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.impl: LinearImpl = F.linear
+
+    def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Pack the weight for the few-rows kernel or oneDNN where that serves this CPU and
+        dtype. A weight shared with another module (a tied lm_head) is replaced here by its
+        packed copy, so the other module keeps its plain tensor."""
+        if device.type != "cpu":
+            return
+        if cpu_ops.serves_few_rows_linear(self.weight):
+            self.weight = nn.Parameter(cpu_ops.pack_few_rows(self.weight.detach()), requires_grad=False)
+            self.impl = cpu_ops.few_rows_linear
+        elif can_pack_onednn(self.weight):
+            self.weight = nn.Parameter(pack_onednn(self.weight), requires_grad=False)
+            self.impl = onednn_linear
+        else:
+            self.impl = cpu_linear
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Copy a checkpoint tensor into `param` (this rank's part of it, for split layers)."""
+        copy_weight(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
+        return self.impl(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several projections of the same input fused into one (q/k/v, gate/up), each split by
+    output rows over the ranks: this rank holds its rows of each, one after the other."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup | None) -> None:
+        tp_size = tp.world_size if tp is not None else 1
+        super().__init__(in_features, sum(output_sizes) // tp_size, bias=bias)
+        self.tp = tp
+        self.output_sizes = [size // tp_size for size in output_sizes]  # this rank's
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """`loaded`: the whole checkpoint tensor of projection `shard_id` (its index in output_sizes)."""
+        assert shard_id is not None
+        if self.tp is not None:
+            loaded = loaded.chunk(self.tp.world_size, 0)[self.tp.rank]
+        offset = sum(self.output_sizes[:shard_id])
+        copy_weight(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded)
+
+
+class RowParallelLinear(Linear):
+    """Split by input columns over the ranks; the ranks' partial outputs are summed (no bias)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup | None) -> None:
+        super().__init__(in_features // (tp.world_size if tp is not None else 1), out_features)
+        self.tp = tp
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        if self.tp is not None:
+            loaded = loaded.chunk(self.tp.world_size, 1)[self.tp.rank]
+        copy_weight(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.impl(x, self.weight, self.bias)
+        return out if self.tp is None else self.tp.all_reduce(out)
