@@ -77,6 +77,7 @@ def test_planner_blocks_equal_what_the_engine_allocates(llm, kv_cache_dtype):
     assert allocated == plan.kv.num_tokens * plan.kv.spec.bytes_per_token == plan.kv.allocated_bytes
 
 
+@pytest.mark.slow  # converts the GGUF once more
 def test_gguf_metadata_gives_the_converted_config(tmp_path, monkeypatch):
     path = default_model_path()
     converted = json.loads((converted_folder(path) / "config.json").read_text())

@@ -146,6 +146,7 @@ def test_shared_prefix_outputs_equal_caching_off(fresh, uncached):
     assert all(o.num_cached_tokens == 0 for o in plain)
 
 
+@pytest.mark.slow  # four turns, twice
 def test_four_turn_conversation_equals_caching_off(fresh, uncached):
     questions = ["What is a KV cache?", "Why use blocks?", "What happens when blocks run out?", "Summarize."]
     params = SamplingParams(temperature=0.0, max_tokens=32)

@@ -229,6 +229,7 @@ def test_a_bad_request_gets_an_openai_shaped_error(server, path, body, status, n
     assert_openai_error(send(server.url, path, body), status, names)
 
 
+@pytest.mark.slow  # a 200-token stream beside every bad request
 def test_no_bad_request_harms_a_concurrent_stream_or_the_server(server):
     body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     alone = send(server.url, "/v1/completions", body).json()
@@ -281,6 +282,7 @@ def test_logit_bias_steers_greedy_decoding(server):
     assert "Paris" not in banned["choices"][0]["text"].split()[0]
 
 
+@pytest.mark.slow  # a 3.5 MB conversation
 def test_a_long_history_costs_bounded_work_and_no_stream_stalls(server):
     """--truncate-chat-history once rendered and tokenized the whole conversation at every step of a
     search: one 3.5 MB request held the tokenizer thread for 84 s. Now what must stay is bounded by
@@ -408,6 +410,7 @@ def faulty():
     remote.stop()
 
 
+@pytest.mark.slow  # a server of its own, templates that run to their budget
 def test_a_runaway_template_stops_at_its_budget_and_no_stream_stalls(faulty):
     victim = Stream(faulty.url, max_tokens=100)
     start = time.monotonic()
