@@ -1,5 +1,6 @@
 """Model loading: GGUF conversion equals transformers' own GGUF reader; the Llama family
-(Llama 3 rope scaling, untied embeddings, Qwen2 biases, Mistral) matches transformers."""
+(Llama 3 rope scaling, untied embeddings, Qwen2 biases, Mistral) and Qwen3 (per-head q/k norms,
+head_dim apart from hidden / heads) match transformers."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ TINY = {
 
 
 def _architectures():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     llama3 = {
         "rope_type": "llama3",
@@ -96,21 +97,36 @@ def _architectures():
         ),
         "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=True),
         "mistral": MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+        # head_dim 32, not hidden / heads = 16, as Qwen3-0.6B's 128 is not 1024 / 16
+        "qwen3-head-dim": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
     }
 
 
-@pytest.mark.parametrize("name", ["llama3-rope-untied", "llama-linear-rope", "qwen2-bias", "mistral"])
-def test_architecture_matches_transformers(name, tmp_path, reference):
+def _save_tiny_model(name, folder):
+    """A random tiny model of `name` (_architectures) saved as an HF folder with SmolLM2's tokenizer.
+    Norm weights are random too (transformers starts them at 1), so a misplaced one shows."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _architectures()[name]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(_architectures()[name], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
     for file in converted_folder(default_model_path()).glob("tokenizer*"):
-        shutil.copy(file, tmp_path)
+        shutil.copy(file, folder)
+    return model
+
+
+@pytest.mark.parametrize(
+    "name", ["llama3-rope-untied", "llama-linear-rope", "qwen2-bias", "mistral", "qwen3-head-dim"]
+)
+def test_architecture_matches_transformers(name, tmp_path, reference):
+    model = _save_tiny_model(name, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["architectures"][0] in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+    assert saved["architectures"][0] == type(model).__name__
+    assert saved["architectures"][0] in SUPPORTED_ARCHITECTURES
 
     ids = reference.tokenizer(
         "A short prompt to check the whole forward pass, position by position."

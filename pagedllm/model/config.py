@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -101,7 +102,8 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = (attn + 3 * h * i) // tp_size + 2 * h
+        norms = 2 * h + (2 * self.head_dim if self.architecture == "Qwen3ForCausalLM" else 0)  # q/k_norm
+        per_layer = (attn + 3 * h * i) // tp_size + norms
         head_rows = self.vocab_size // tp_size if self.vocab_size % tp_size == 0 else self.vocab_size
         embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
         return layers * per_layer + embeddings + h

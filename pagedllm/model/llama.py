@@ -71,10 +71,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
+    """What a variant changes of the layer (Qwen3: per-head query and key norms, model/qwen3.py)."""
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp)
+        self.self_attn = self.attention_class(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -101,6 +104,8 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     """Checkpoint projection -> (our fused projection, its index in it): model/loader.py's map."""
+    decoder_layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    """The layer a variant builds on this model (Qwen3ForCausalLM: its own, model/qwen3.py)."""
 
     def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -109,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, max_position, config.rope_theta, config.rope_scaling, config.rope_freq_factors
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer_class(config, tp) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()

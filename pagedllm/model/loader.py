@@ -23,6 +23,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.hub import hub_model_path, is_hub_model
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 """config.json's architecture -> the model that runs it (model/config.py lists the same names)."""
 
