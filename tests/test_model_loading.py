@@ -1,9 +1,10 @@
 """Model loading: GGUF conversion equals transformers' own GGUF reader; the Llama family
 (Llama 3 rope scaling, untied embeddings, Qwen2 biases, Mistral) and Qwen3 (per-head q/k norms,
-head_dim apart from hidden / heads) match transformers."""
+head_dim apart from hidden / heads) match transformers; a Qwen3 GGUF loads as its HF folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -164,3 +165,83 @@ def test_architecture_matches_transformers(name, tmp_path, reference):
         assert abs(out.logprobs[step][a].logprob - float(ref_logprobs[step][a])) < 1e-4, (
             f"{name}: step {step}"
         )
+
+
+def _write_qwen3_gguf(model, path) -> None:
+    """model's weights as llama.cpp lays out a Qwen3 GGUF (F32; Q/K rows as Hugging Face's, since
+    qwen3's rotary is NEOX, no permutation), with the default model's tokenizer metadata."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    for key, field in gguf.GGUFReader(str(default_model_path())).fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    layer_names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    for i in range(config.num_hidden_layers):
+        for hf, ours in layer_names.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
+    state = model.state_dict()
+    assert set(state) - {"lm_head.weight"} == set(names)  # tied: no output.weight
+    for hf, gguf_name in names.items():
+        writer.add_tensor(gguf_name, state[hf].numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_loads_as_its_hf_folder(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    model = _save_tiny_model("qwen3-head-dim", tmp_path / "hf")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))  # after the tokenizer's copy
+    _write_qwen3_gguf(model, tmp_path / "tiny-qwen3.gguf")
+    folder = converted_folder(tmp_path / "tiny-qwen3.gguf")
+
+    ours = load_file(str(folder / "model.safetensors"))
+    theirs = {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    assert set(ours) == set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    from_gguf, from_hf = ModelConfig.from_folder(folder), ModelConfig.from_folder(tmp_path / "hf")
+    assert from_gguf.architecture == "Qwen3ForCausalLM" and from_gguf.head_dim == 32
+    assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)  # GGUF's is a float32
+    # and a GGUF names no dtype
+    assert from_gguf == dataclasses.replace(from_hf, torch_dtype=None, rms_norm_eps=from_gguf.rms_norm_eps)
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 120))}
+    tokens = [
+        LLM(str(path), **{**TEST_ENGINE_ARGS, "max_model_len": 512})
+        .generate(prompt, params, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+        for path in (tmp_path / "tiny-qwen3.gguf", tmp_path / "hf")
+    ]
+    assert tokens[0] == tokens[1]

@@ -22,13 +22,15 @@ import numpy as np
 
 CONVERTER_VERSION = "1"
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -141,7 +143,10 @@ def _hf_config(md: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]:
     p = f"{arch}."
     num_heads = int(md[p + "attention.head_count"])
     hidden = int(md[p + "embedding_length"])
-    head_dim = int(md.get(p + "rope.dimension_count") or hidden // num_heads)
+    # Qwen3 states head_dim (key_length), which need not be hidden / heads
+    head_dim = int(
+        md.get(p + "attention.key_length") or md.get(p + "rope.dimension_count") or hidden // num_heads
+    )
     vocab = md.get(p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
