@@ -1,6 +1,6 @@
 """The CPU kernels (csrc/: paged attention; residual add + RMSNorm, rotary +
-KV-cache write and SiLU-and-multiply; projections from weights packed for decode steps; greedy
-sampling's argmax), compiled on first use into one library.
+KV-cache write and SiLU-and-multiply; projections from weights packed for decode steps, bf16/fp32
+or quantized to 4 or 8 bits; greedy sampling's argmax), compiled on first use into one library.
 
 torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
 CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
@@ -37,7 +37,13 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name
-    for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "few_rows_linear_cpu.cpp", "argmax_cpu.cpp")
+    for name in (
+        "paged_attention_cpu.cpp",
+        "layer_ops_cpu.cpp",
+        "few_rows_linear_cpu.cpp",
+        "quant_linear_cpu.cpp",
+        "argmax_cpu.cpp",
+    )
 ]
 _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
@@ -281,3 +287,37 @@ def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     rows of a decode step (the weight streamed once), as fast as oneDNN for more
     (csrc/few_rows_linear_cpu.cpp)."""
     return torch.ops.pagedllm.few_rows_linear(x, packed, bias)
+
+
+def serves_quant_linear(bits: int, n: int, k: int) -> bool:
+    """Whether quant_linear takes a `bits`-bit (4 or 8) [n, k] weight on this CPU: any n, k a
+    multiple of 32; a build with AVX2 at least (AVX512-VNNI, AVX-VNNI, else AVX2's byte products)."""
+    return (
+        bits in (4, 8)
+        and n > 0
+        and k > 0
+        and k % 32 == 0
+        and is_built()
+        and torch.ops.pagedllm.quant_linear_available()
+    )
+
+
+def pack_quant_linear(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
+) -> torch.Tensor:
+    """The weight W[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32] (mins None: zero) as
+    quant_linear streams it: one uint8 tensor, 4.5 bytes per 8 weights at 4 bits (5 with mins that
+    are not a whole multiple of their scale, as Q4_0's -8 * d is), 8.5 at 8 bits (9 with mins);
+    scales and mins in float16. q: int8 [N, K], 0..15 for bits=4, -128..127 for bits=8;
+    scales, mins: float32 [N, K // 32]. Deterministic; the layout is in csrc/quant_linear_cpu.cpp."""
+    return torch.ops.pagedllm.pack_quant_linear(q, scales, mins, bits)
+
+
+def quant_linear(
+    x: torch.Tensor, packed: torch.Tensor, bits: int, n: int, k: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ W.T (+ bias), [M, K] float32 or bfloat16 -> [M, N] in x's dtype, from pack_quant_linear's
+    weight: x's rows quantized to int8 per 32-block (as llama.cpp's Q8_0), the byte products summed
+    in int32, each block's sum scaled in float32; each row's result is its own, whatever rows
+    share the call (csrc/quant_linear_cpu.cpp)."""
+    return torch.ops.pagedllm.quant_linear(x, packed, bits, n, k, bias)

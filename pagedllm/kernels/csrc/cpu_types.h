@@ -10,6 +10,10 @@
 //                only where kHasAvx512; elsewhere these compile and are never reached).
 //   Bf16PairVec  16 pairs of bfloat16 for dpbf16ps; AVX512-BF16 builds only (declared elsewhere,
 //                reached only through templates instantiated there).
+//   ByteQuadVec16 / ByteQuadVec8  16 / 8 int32 lanes, each summing the products of 4 unsigned
+//                weight bytes and 4 signed activation bytes (vpdpbusd). PAGEDLLM_CPU_VNNI picks
+//                how: 2 AVX512-VNNI (16 lanes), 1 AVX-VNNI (8 lanes), 0 AVX2's maddubs (8 lanes);
+//                no AVX2: declared only, like Bf16PairVec.
 //
 // Each operation is one instruction or a fixed sequence of them, so a sum's order is the code's.
 #pragma once
@@ -35,6 +39,15 @@
 #define PAGEDLLM_CPU_ISA 0
 #endif
 
+// The byte dot products, beside the ladder above: AVX-512 without VNNI (Skylake-X) takes AVX2's.
+#if PAGEDLLM_CPU_ISA >= 2 && defined(__AVX512VNNI__)
+#define PAGEDLLM_CPU_VNNI 2
+#elif PAGEDLLM_CPU_ISA >= 1 && defined(__AVXVNNI__)
+#define PAGEDLLM_CPU_VNNI 1
+#else
+#define PAGEDLLM_CPU_VNNI 0
+#endif
+
 #if PAGEDLLM_CPU_ISA >= 1
 #include <immintrin.h>
 #endif
@@ -44,6 +57,7 @@ namespace pagedllm_cpu {
 constexpr bool kHasAvx2 = PAGEDLLM_CPU_ISA >= 1;
 constexpr bool kHasAvx512 = PAGEDLLM_CPU_ISA >= 2;
 constexpr bool kHasAvx512Bf16 = PAGEDLLM_CPU_ISA >= 3;
+constexpr bool kHasAvx512Vnni = PAGEDLLM_CPU_VNNI >= 2;
 
 // N floats in plain loops: a width the instruction set has no register for.
 template <int N>
@@ -83,7 +97,16 @@ struct ArrayVec {
   static ArrayVec add(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x + y; }); }
   static ArrayVec sub(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x - y; }); }
   static ArrayVec mul(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x * y; }); }
+  static ArrayVec div(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x / y; }); }
   static ArrayVec max(ArrayVec a, ArrayVec b) { return map(a, b, [](float x, float y) { return x > y ? x : y; }); }
+  ArrayVec abs() const { return map(*this, *this, [](float x, float) { return std::fabs(x); }); }
+  ArrayVec round() const {  // to the nearest whole number, ties to even (the default rounding mode)
+    return map(*this, *this, [](float x, float) { return std::nearbyint(x); });
+  }
+  void store_int8(int8_t* p) const {  // lanes holding whole numbers in int8's range
+    for (int i = 0; i < N; ++i) p[i] = static_cast<int8_t>(v[i]);
+  }
+  void store_first(float* p, int64_t n) const { std::copy(v, v + std::min<int64_t>(n, N), p); }
   static ArrayVec fma(ArrayVec a, ArrayVec b, ArrayVec c) {  // a * b + c
     for (int i = 0; i < N; ++i) c.v[i] += a.v[i] * b.v[i];
     return c;
@@ -145,9 +168,33 @@ struct FloatVec8 {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store_first(float* p, int64_t n) const {
+    float lanes[8];
+    store(lanes);
+    std::copy(lanes, lanes + std::min<int64_t>(n, 8), p);
+  }
+  void store_int8(int8_t* p) const {  // lanes holding whole numbers in int8's range
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+  }
   static FloatVec8 add(FloatVec8 a, FloatVec8 b) { return {_mm256_add_ps(a.v, b.v)}; }
   static FloatVec8 mul(FloatVec8 a, FloatVec8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static FloatVec8 div(FloatVec8 a, FloatVec8 b) { return {_mm256_div_ps(a.v, b.v)}; }
+  static FloatVec8 max(FloatVec8 a, FloatVec8 b) { return {_mm256_max_ps(a.v, b.v)}; }
   static FloatVec8 fma(FloatVec8 a, FloatVec8 b, FloatVec8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  FloatVec8 abs() const { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), v)}; }
+  FloatVec8 round() const { return {_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  float reduce_add() const {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  float reduce_max() const {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  }
   // lane i: the sum of acc[i]'s 8 lanes, one transpose-and-add for all 8 (no horizontal sum per
   // vector), every lane's sum in the same order
   static FloatVec8 sum_each(const FloatVec8* acc) {
@@ -182,10 +229,17 @@ struct FloatVec16 {
     return {_mm512_mask_loadu_ps(rest.v, first_lanes(n), p)};
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store_first(float* p, int64_t n) const { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+  void store_int8(int8_t* p) const {  // lanes holding whole numbers in int8's range
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
   FloatVec16 keep_first(int64_t n) const { return {_mm512_maskz_mov_ps(first_lanes(n), v)}; }
   static FloatVec16 add(FloatVec16 a, FloatVec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
   static FloatVec16 sub(FloatVec16 a, FloatVec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
   static FloatVec16 mul(FloatVec16 a, FloatVec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static FloatVec16 div(FloatVec16 a, FloatVec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+  FloatVec16 abs() const { return {_mm512_abs_ps(v)}; }
+  FloatVec16 round() const { return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
   static FloatVec16 max(FloatVec16 a, FloatVec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
   static FloatVec16 fma(FloatVec16 a, FloatVec16 b, FloatVec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static FloatVec16 fnmadd(FloatVec16 a, FloatVec16 b, FloatVec16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
@@ -271,6 +325,77 @@ struct Bf16PairVec {
 };
 #else
 struct Bf16PairVec;
+#endif
+
+// The byte dot products of the quantized projections: weights as unsigned bytes (4-bit ones below
+// 16, 8-bit ones offset by 128), activations as signed bytes in -127..127, sums exact in int32.
+// dot_q8's sum depends on the instruction: kQ8Offset says by how much (VNNI sums u * s, offset
+// 128 included; AVX2's maddubs would saturate on that, so it takes llama.cpp's sign trick and
+// sums (u - 128) * s), for the caller to start from -kQ8Offset * sum(s).
+#if PAGEDLLM_CPU_VNNI >= 2
+struct ByteQuadVec16 {
+  static constexpr int64_t kLanes = 16;
+  static constexpr int32_t kQ8Offset = 128;
+  __m512i v;
+
+  static ByteQuadVec16 load(const void* p) { return {_mm512_loadu_si512(p)}; }
+  static ByteQuadVec16 broadcast(int32_t x) { return {_mm512_set1_epi32(x)}; }
+  static ByteQuadVec16 broadcast_quad(const int8_t* p) {  // the 4 bytes at p, in every lane
+    int32_t quad;
+    std::memcpy(&quad, p, sizeof(quad));
+    return broadcast(quad);
+  }
+  ByteQuadVec16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0F))}; }
+  ByteQuadVec16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))}; }
+  // acc + each lane's 4 products u * s (u < 16)
+  static ByteQuadVec16 dot_nibbles(ByteQuadVec16 acc, ByteQuadVec16 u, ByteQuadVec16 s) {
+    return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)};
+  }
+  // acc + each lane's 4 products u * s (u = q + 128 for a signed weight byte q)
+  static ByteQuadVec16 dot_q8(ByteQuadVec16 acc, ByteQuadVec16 u, ByteQuadVec16 s) { return dot_nibbles(acc, u, s); }
+  FloatVec16 to_float() const { return {_mm512_cvtepi32_ps(v)}; }
+};
+#else
+struct ByteQuadVec16;
+#endif
+
+#if PAGEDLLM_CPU_ISA >= 1
+struct ByteQuadVec8 {
+  static constexpr int64_t kLanes = 8;
+  static constexpr int32_t kQ8Offset = PAGEDLLM_CPU_VNNI >= 1 ? 128 : 0;
+  __m256i v;
+
+  static ByteQuadVec8 load(const void* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  static ByteQuadVec8 broadcast(int32_t x) { return {_mm256_set1_epi32(x)}; }
+  static ByteQuadVec8 broadcast_quad(const int8_t* p) {
+    int32_t quad;
+    std::memcpy(&quad, p, sizeof(quad));
+    return broadcast(quad);
+  }
+  ByteQuadVec8 low_nibbles() const { return {_mm256_and_si256(v, _mm256_set1_epi8(0x0F))}; }
+  ByteQuadVec8 high_nibbles() const { return {_mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))}; }
+  static ByteQuadVec8 dot_nibbles(ByteQuadVec8 acc, ByteQuadVec8 u, ByteQuadVec8 s) {
+#if PAGEDLLM_CPU_VNNI >= 2
+    return {_mm256_dpbusd_epi32(acc.v, u.v, s.v)};
+#elif PAGEDLLM_CPU_VNNI >= 1
+    return {_mm256_dpbusd_avx_epi32(acc.v, u.v, s.v)};
+#else  // pairs in int16 (at most 2 * 15 * 127: no saturation), then quads in int32
+    return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)))};
+#endif
+  }
+  static ByteQuadVec8 dot_q8(ByteQuadVec8 acc, ByteQuadVec8 u, ByteQuadVec8 s) {
+#if PAGEDLLM_CPU_VNNI >= 1
+    return dot_nibbles(acc, u, s);
+#else  // |q| * (s with q's sign): pairs at most 2 * 128 * 127, within int16
+    const __m256i q = _mm256_xor_si256(u.v, _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s.v, q));
+    return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))};
+#endif
+  }
+  FloatVec8 to_float() const { return {_mm256_cvtepi32_ps(v)}; }
+};
+#else
+struct ByteQuadVec8;
 #endif
 
 }  // namespace pagedllm_cpu

@@ -1,0 +1,116 @@
+"""The quantized projection kernel (4 and 8 bits) against the bfloat16 few-rows kernel, in one run.
+
+    .venv/bin/python benchmarks/quant_linear.py
+    .venv/bin/python benchmarks/quant_linear.py --rows 1 8 --layers 4 --mins
+
+A Llama-3.2-1B-class layer's projections: qkv (3,072 x 2,048), o (2,048 x 2,048), gate_up
+(16,384 x 2,048) and down (2,048 x 8,192), 16 layers each with its own weights (so a pass streams
+them from memory, as a decode step does): bfloat16 through few_rows_linear, 4-bit as GGUF's Q4_0
+(mins = -8 * scale: folded, 4.5 bits per weight) and 8-bit as Q8_0 (no mins, 8.5 bits); --mins
+stores free mins instead (Q4_1-like, 5 and 9 bits). For each row count, milliseconds per pass over
+all 64 products (the median of passes taken in turn, so the three share the machine's moods),
+each quantized kernel's speed-up over bfloat16, and at one row the packed bytes' effective GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedllm.bench.throughput import git_sha
+from pagedllm.cpu_features import describe_host
+from pagedllm.kernels import cpu_ops
+
+LAYER_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (out, in): qkv, o, gate_up, down
+NUM_LAYERS = 16
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
+
+
+def quantized_layers(bits: int, with_mins: bool, num_layers: int, gen: torch.Generator) -> list[torch.Tensor]:
+    packed = []
+    for _ in range(num_layers):
+        for n, k in LAYER_SHAPES:
+            low, high = (0, 16) if bits == 4 else (-128, 128)
+            q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
+            scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+            if with_mins:
+                mins = (torch.randn(n, k // 32, generator=gen) * 0.01).half().float()
+            else:
+                mins = -8 * scales if bits == 4 else None
+            packed.append(cpu_ops.pack_quant_linear(q, scales, mins, bits))
+    return packed
+
+
+def pass_seconds(calls) -> float:
+    start = time.perf_counter()
+    for call in calls:
+        call()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    parser.add_argument("--layers", type=int, default=NUM_LAYERS)
+    parser.add_argument("--mins", action="store_true", help="free mins (Q4_1-like) instead of Q4_0 / Q8_0")
+    args = parser.parse_args()
+    if not cpu_ops.serves_quant_linear(4, 2048, 2048):
+        raise SystemExit("no quantized kernel in this CPU's build")
+    if not cpu_ops.is_built() or not torch.ops.pagedllm.few_rows_linear_available("bfloat16"):
+        raise SystemExit("no bfloat16 few-rows kernel in this CPU's build (it needs AVX512-BF16)")
+    gen = torch.Generator().manual_seed(0)
+    shapes = LAYER_SHAPES * args.layers
+    bf16 = [cpu_ops.pack_few_rows((torch.randn(n, k, generator=gen) * 0.02).bfloat16()) for n, k in shapes]
+    quantized = {bits: quantized_layers(bits, args.mins, args.layers, gen) for bits in (4, 8)}
+    packed_bytes = {bits: sum(p.numel() for p in packed) for bits, packed in quantized.items()}
+    num_weights = sum(n * k for n, k in shapes)
+    print(f"host: {describe_host()}; {torch.get_num_threads()} threads; git {git_sha()}")
+    print(
+        f"{args.layers} layers, {num_weights / 1e9:.2f} G weights: bfloat16 {num_weights * 2 / 1e9:.2f} GB, "
+        + ", ".join(
+            f"{bits}-bit {b / 1e9:.2f} GB ({b * 8 / num_weights:.2f} bits/weight)"
+            for bits, b in packed_bytes.items()
+        )
+    )
+    print("| rows | bf16 ms | 4-bit ms | 4-bit speed-up | 8-bit ms | 8-bit speed-up |")
+    print("|---|---|---|---|---|---|")
+    gbs = {}
+    for rows in args.rows:
+        inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in LAYER_SHAPES}
+        paths = {
+            "bf16": [
+                lambda x=inputs[k], w=w: cpu_ops.few_rows_linear(x, w, None)
+                for (_, k), w in zip(shapes, bf16, strict=True)
+            ],
+            **{
+                bits: [
+                    lambda x=inputs[k], w=w, n=n, k=k, bits=bits: cpu_ops.quant_linear(x, w, bits, n, k, None)
+                    for (n, k), w in zip(shapes, packed, strict=True)
+                ]
+                for bits, packed in quantized.items()
+            },
+        }
+        repeats = max(3, min(20, 64 // rows))
+        times: dict = {name: [] for name in paths}
+        for calls in paths.values():
+            pass_seconds(calls)  # warm-up
+        for _ in range(repeats):
+            for name, calls in paths.items():
+                times[name].append(pass_seconds(calls))
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        if rows == 1:
+            gbs = {bits: packed_bytes[bits] / ms[bits] / 1e6 for bits in quantized}
+            gbs["bf16"] = num_weights * 2 / ms["bf16"] / 1e6
+        cells = " | ".join(f"{ms[bits]:.2f} | **{ms['bf16'] / ms[bits]:.2f}x**" for bits in quantized)
+        print(f"| {rows} | {ms['bf16']:.2f} | {cells} |")
+    if gbs:
+        print("effective GB/s at 1 row: " + ", ".join(f"{name}: {v:.1f}" for name, v in gbs.items()))
+
+
+if __name__ == "__main__":
+    main()

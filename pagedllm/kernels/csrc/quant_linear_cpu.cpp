@@ -1,0 +1,410 @@
+// A linear layer on quantized weights (4 or 8 bits, GGUF's kinds), for decode steps on CPU:
+// llama.cpp's arithmetic in few_rows_linear's layout.
+//
+// The weight W [N, K] comes in one generic form, blocks of 32 along K:
+//   W[n, k] = scales[n, k / 32] * q[n, k] + mins[n, k / 32]   (q: 0..15 for 4 bits, -128..127 for 8)
+// and stays quantized: a decode step streams every weight once, so its bytes are the time. Each
+// activation row is quantized per 32-block as llama.cpp's Q8_0 (dx = max|x| / 127, quants
+// round(x / dx), ties to even), the block's byte products summed exactly in int32 (vpdpbusd),
+// then per block in float32:
+//   acc += (scale * dx) * sum(q * xq) + min * (dx * sum(xq))
+// Where every min is a whole multiple of its scale (min = -z * scale: Q4_0's z = 8, Q8_0's 0),
+// the min is folded into the integer sum instead (sum((q - z) * xq), exact) and not stored.
+// Each output is its own row's sum over the blocks in order, whatever rows share the call; then
+// the bias, and for bfloat16 x one rounding.
+//
+// Layout (pack_quant_linear): a 64-byte header (PackedHeader), then panels of 16 output columns
+// (N padded to a multiple of 16 with zero weights), each panel two streams:
+//
+//   weights, per 32-block: 8-bit: 8 steps of 64 bytes, step s = [column 0: k 4s..4s+3 | column 1 | ...]
+//                          (bytes q + 128); 4-bit: 4 groups of 64 bytes, group g's low nibbles
+//                          are step g, its high nibbles step g + 4
+//   params, per 32-block:  16 float16 scales, then (where not folded) 16 float16 mins
+//
+// so a 64-byte load feeds one vpdpbusd per activation row for 16 columns and 4 k (the row's 4
+// quants broadcast), one column per lane, no sums across lanes. Bytes per weight: 4-bit 4.5 (5
+// with mins), 8-bit 8.5 (9). float16 keeps GGUF's Q4_0/Q4_1/Q8_0 scales and mins exactly (they
+// are float16 there); others (Q4_K's d * sc) are rounded to the nearest float16: a relative error
+// of 2^-11 at most (2^-25 absolute below float16's normal range, 6.1e-5), far below the 4 bits'.
+//
+// pack_quant_linear(q [N, K] int8, scales [N, K / 32] float32, mins same or None, bits) -> uint8 blob
+// quant_linear(x [M, K] float32 or bfloat16, packed, bits, n, k, bias [N] or None) -> [M, N], x's dtype
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "cpu_types.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+
+namespace {
+
+using pagedllm_cpu::Bf16PairVec;
+using pagedllm_cpu::FloatVec16;
+
+// 16 int32 lanes with AVX512-VNNI, else 8 (AVX-VNNI or AVX2); none without AVX2.
+using QuadVec = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, pagedllm_cpu::ByteQuadVec16, pagedllm_cpu::ByteQuadVec8>;
+using QuantFloat = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, FloatVec16, pagedllm_cpu::FloatVec8>;
+constexpr bool kHasQuant = pagedllm_cpu::kHasAvx2;
+constexpr int64_t kBlock = 32, kPanelCols = 16, kHeaderBytes = 64;
+
+struct PackedHeader {
+  char magic[8];
+  int64_t bits, n, k;
+  int64_t zero_point;  // z: every min is -z * its scale, folded into the integer sums
+  int64_t has_mins;    // 1: float16 mins stored after each block's scales
+};
+constexpr char kMagic[8] = "pqlin01";
+
+int64_t weight_bytes(int64_t bits) { return bits * 64; }  // per panel and 32-block
+int64_t param_bytes(bool has_mins) { return has_mins ? 64 : 32; }
+int64_t panel_bytes(int64_t bits, int64_t k, bool has_mins) {
+  return (k / kBlock * (weight_bytes(bits) + param_bytes(has_mins)) + 63) / 64 * 64;
+}
+int64_t num_panels(int64_t n) { return (n + kPanelCols - 1) / kPanelCols; }
+
+bool available() { return kHasQuant; }
+
+// z where every min is exactly -z * its scale (|z| <= 255); none where they are not.
+std::optional<int64_t> folded_zero_point(const at::Tensor& scales, const at::Tensor& mins) {
+  const at::Tensor s = scales.to(at::kDouble), m = mins.to(at::kDouble);
+  const at::Tensor nonzero = s.ne(0).flatten().nonzero();
+  if (nonzero.numel() == 0) return std::nullopt;
+  const int64_t i = nonzero[0][0].item<int64_t>();
+  const double z = -m.flatten()[i].item<double>() / s.flatten()[i].item<double>();
+  if (z != std::nearbyint(z) || std::fabs(z) > 255) return std::nullopt;
+  if (!m.eq(s * -z).all().item<bool>()) return std::nullopt;
+  return static_cast<int64_t>(z);
+}
+
+at::Tensor as_float16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.isfinite().all().item<bool>() && t.abs().max().item<float>() <= 65504.f, "pack_quant_linear: ",
+              name, " must be finite and within float16's range (|x| <= 65504), as they are stored in float16");
+  return t.to(at::kHalf);
+}
+
+at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                             int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_quant_linear: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quant_linear: q must be an int8 [N, K] tensor, not ",
+              q.scalar_type(), " ", q.sizes());
+  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
+  TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "pack_quant_linear: K must be a positive multiple of 32, not ", k);
+  for (const at::Tensor* t : {&scales, mins.has_value() ? &*mins : nullptr}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == blocks,
+                "pack_quant_linear: scales and mins must be float32 [N, K / 32] = [", n, ", ", blocks, "], not ",
+                t->scalar_type(), " ", t->sizes());
+  }
+  if (bits == 4) {
+    TORCH_CHECK(q.min().item<int>() >= 0 && q.max().item<int>() <= 15, "pack_quant_linear: 4-bit q must be 0..15");
+  }
+  int64_t zero_point = 0;
+  bool has_mins = mins.has_value() && mins->ne(0).any().item<bool>();
+  if (has_mins) {
+    const auto z = folded_zero_point(scales, *mins);
+    has_mins = !z.has_value();
+    zero_point = z.value_or(0);
+  }
+  const int64_t panels = num_panels(n), padded = panels * kPanelCols;
+  const at::Tensor qp = at::constant_pad_nd(q, {0, 0, 0, padded - n});
+  at::Tensor w;
+  if (bits == 8) {  // [panels, 16 columns, blocks, 8 steps, 4] -> [panels, blocks, steps, columns, 4]
+    const at::Tensor u = (qp.to(at::kShort) + 128).to(at::kByte);
+    w = u.view({panels, kPanelCols, blocks, 8, 4}).permute({0, 2, 3, 1, 4});
+  } else {  // k 0..15 of a block in the low nibbles, 16..31 in the high ones
+    const at::Tensor halves = qp.to(at::kByte).view({panels, kPanelCols, blocks, 2, 4, 4});
+    w = halves.select(3, 0).bitwise_or(halves.select(3, 1).bitwise_left_shift(4)).permute({0, 2, 3, 1, 4});
+  }
+  w = w.reshape({panels, blocks * weight_bytes(bits)});
+  auto params_of = [&](const at::Tensor& t, const char* name) {  // [N, blocks] -> [panels, blocks, 16] float16
+    return at::constant_pad_nd(as_float16(t, name), {0, 0, 0, padded - n}).view({panels, kPanelCols, blocks}).permute({0, 2, 1});
+  };
+  at::Tensor params = params_of(scales, "scales");
+  if (has_mins) params = at::cat({params, params_of(*mins, "mins")}, 2);
+  params = params.contiguous().view(at::kByte).view({panels, blocks * param_bytes(has_mins)});
+  const int64_t pad = panel_bytes(bits, k, has_mins) - w.size(1) - params.size(1);
+  at::Tensor header = at::zeros({kHeaderBytes}, q.options().dtype(at::kByte));
+  const PackedHeader h{{}, bits, n, k, zero_point, has_mins ? 1 : 0};
+  std::memcpy(header.data_ptr(), &h, sizeof(h));
+  std::memcpy(header.data_ptr(), kMagic, sizeof(kMagic));
+  const at::Tensor padding = at::zeros({panels, pad}, header.options());
+  return at::cat({header, at::cat({w, params, padding}, 1).flatten()});
+}
+
+// Each row of x quantized per 32-block: quants [K] int8, dx [blocks], dx * sum(quants) [blocks]
+// and the integer sums' start, -offset * sum(quants) [blocks].
+struct QuantRows {
+  at::Tensor quants, dx, dx_sums, starts;
+};
+
+template <typename FVec, typename T>
+void quantize_row(const T* x, int64_t blocks, int32_t offset, int8_t* quants, float* dx, float* dx_sums, int32_t* starts) {
+  constexpr int64_t kVecs = kBlock / FVec::kLanes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    FVec v[kVecs], amax = FVec::zero();
+    for (int64_t i = 0; i < kVecs; ++i) {
+      v[i] = FVec::load(x + b * kBlock + i * FVec::kLanes);
+      amax = FVec::max(amax, v[i].abs());
+    }
+    const float d = amax.reduce_max() / 127.f;
+    FVec sum = FVec::zero();  // whole numbers: exact
+    const FVec dv = FVec::broadcast(d);
+    for (int64_t i = 0; i < kVecs; ++i) {
+      const FVec q = d == 0.f ? FVec::zero() : FVec::div(v[i], dv).round();
+      q.store_int8(quants + b * kBlock + i * FVec::kLanes);
+      sum = FVec::add(sum, q);
+    }
+    const float total = sum.reduce_add();
+    dx[b] = d, dx_sums[b] = d * total, starts[b] = -offset * static_cast<int32_t>(total);
+  }
+}
+
+template <typename FVec>
+QuantRows quantize_rows(const at::Tensor& x, int32_t offset) {
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  QuantRows r{at::empty({rows, k}, x.options().dtype(at::kChar)), at::empty({rows, blocks}, x.options().dtype(at::kFloat)),
+              at::empty({rows, blocks}, x.options().dtype(at::kFloat)), at::empty({rows, blocks}, x.options().dtype(at::kInt))};
+  const int64_t grain = std::max<int64_t>(1, 32768 / k);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      auto quantize = [&](const auto* xr) {
+        quantize_row<FVec>(xr + row * x.stride(0), blocks, offset, r.quants.data_ptr<int8_t>() + row * k,
+                           r.dx.data_ptr<float>() + row * blocks, r.dx_sums.data_ptr<float>() + row * blocks,
+                           r.starts.data_ptr<int32_t>() + row * blocks);
+      };
+      if (x.scalar_type() == at::kBFloat16) quantize(x.data_ptr<c10::BFloat16>());
+      else quantize(x.data_ptr<float>());
+    }
+  });
+  return r;
+}
+
+// One call's rows and panels: quants [M][K] (stride x_stride), per-block values [M][blocks]
+// (stride blocks), panels (stride panel_stride) from the tile's first, bias (float32, padded to
+// whole panels) and out [M][N] (stride out_stride) at the tile's first column; cols: the columns
+// from there on that are inside N.
+struct TileArgs {
+  const int8_t* quants;
+  int64_t x_stride;
+  const float* dx;
+  const float* dx_sums;
+  const int32_t* starts;
+  const uint8_t* panels;
+  int64_t panel_stride, blocks;
+  const float* bias;
+  void* out;
+  bool out_bf16;
+  int64_t out_stride, cols;
+};
+
+// n (<= lanes) outputs of one row from r, rounded once to bfloat16 where out is (Pairs: only
+// AVX512-BF16 builds have it)
+template <typename FVec, typename Pairs = Bf16PairVec>
+void store_row(const TileArgs& a, int64_t at, FVec r, int64_t n) {
+  if (!a.out_bf16) {
+    float* p = static_cast<float*>(a.out) + at;
+    return n == FVec::kLanes ? r.store(p) : r.store_first(p, n);
+  }
+  c10::BFloat16* p = static_cast<c10::BFloat16*>(a.out) + at;
+  c10::BFloat16 rounded[FVec::kLanes];
+  if constexpr (pagedllm_cpu::kHasAvx512Bf16 && FVec::kLanes == 16) {
+    Pairs::store_rounded(n == 16 ? p : rounded, r);
+    if (n == 16) return;
+  } else {
+    float lanes[FVec::kLanes];
+    r.store(lanes);
+    for (int64_t i = 0; i < n; ++i) rounded[i] = c10::BFloat16(lanes[i]);
+  }
+  std::copy(rounded, rounded + n, p);
+}
+
+// M rows times P panels (V vectors of lanes), all blocks: per block the integer sums of M x V
+// vectors, then M x V float multiply-adds.
+template <typename Quads, typename FVec, int Bits, bool HasMins, int M, int P>
+void tile(const TileArgs& a) {
+  constexpr int64_t L = Quads::kLanes, V = P * kPanelCols / L, kWeightBytes = Bits * 64;
+  constexpr int64_t kParamHalves = HasMins ? 32 : 16;
+  const uint8_t* w[V];
+  const c10::Half* params[V];
+  for (int64_t v = 0; v < V; ++v) {
+    const int64_t panel = v * L / kPanelCols, lane = v * L % kPanelCols;
+    w[v] = a.panels + panel * a.panel_stride + lane * 4;
+    params[v] = reinterpret_cast<const c10::Half*>(a.panels + panel * a.panel_stride + a.blocks * kWeightBytes) + lane;
+  }
+  FVec acc[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::zero();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    Quads sums[M][V];
+    for (int m = 0; m < M; ++m) {
+      const Quads start = Quads::broadcast(a.starts[m * a.blocks + b]);
+      for (int64_t v = 0; v < V; ++v) sums[m][v] = start;
+    }
+    const int8_t* x = a.quants + b * kBlock;
+    auto step = [&](const Quads* weights, int64_t k) {  // k: the step's first input in the block
+      for (int m = 0; m < M; ++m) {
+        const Quads xq = Quads::broadcast_quad(x + m * a.x_stride + k);
+        for (int64_t v = 0; v < V; ++v)
+          sums[m][v] = Bits == 8 ? Quads::dot_q8(sums[m][v], weights[v], xq) : Quads::dot_nibbles(sums[m][v], weights[v], xq);
+      }
+    };
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < kWeightBytes / 64; ++g) {
+      Quads loaded[V];
+      for (int64_t v = 0; v < V; ++v) loaded[v] = Quads::load(w[v] + b * kWeightBytes + g * 64);
+      if constexpr (Bits == 8) {
+        step(loaded, 4 * g);
+      } else {
+        Quads nibbles[V];
+        for (int64_t v = 0; v < V; ++v) nibbles[v] = loaded[v].low_nibbles();
+        step(nibbles, 4 * g);
+        for (int64_t v = 0; v < V; ++v) nibbles[v] = loaded[v].high_nibbles();
+        step(nibbles, 16 + 4 * g);
+      }
+    }
+    FVec scales[V];
+    for (int64_t v = 0; v < V; ++v) scales[v] = FVec::load(params[v] + b * kParamHalves);
+    for (int m = 0; m < M; ++m) {
+      const FVec dx = FVec::broadcast(a.dx[m * a.blocks + b]);
+      for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(sums[m][v].to_float(), FVec::mul(scales[v], dx), acc[m][v]);
+    }
+    if constexpr (HasMins) {
+      FVec mins[V];
+      for (int64_t v = 0; v < V; ++v) mins[v] = FVec::load(params[v] + b * kParamHalves + 16);
+      for (int m = 0; m < M; ++m) {
+        const FVec dx_sum = FVec::broadcast(a.dx_sums[m * a.blocks + b]);
+        for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(mins[v], dx_sum, acc[m][v]);
+      }
+    }
+  }
+  for (int64_t v = 0; v < V && v * L < a.cols; ++v) {
+    const FVec bias = a.bias == nullptr ? FVec::zero() : FVec::load(a.bias + v * L);
+    for (int m = 0; m < M; ++m) store_row(a, m * a.out_stride + v * L, FVec::add(acc[m][v], bias), std::min(L, a.cols - v * L));
+  }
+}
+
+// The tiles' shapes, rows x panels: up to kFewRows rows (a decode step) kFewTileRows x kWide,
+// more kTileRows x kNarrow. The integer and float sums (2 M V registers) and a step's weights
+// must fit in the registers: 32 with AVX-512, 16 with AVX2. Measured on Zen 5 (AVX-512): 1-8
+// rows stream the weights fastest 3 panels at a time (more in flight); from there on 6 x 2 and
+// 4 x 3 tiles are alike, bound by the vector pipes that take both vpdpbusd and the float work.
+template <typename Quads, typename FVec, int Bits, bool HasMins>
+struct Tiles {
+  static constexpr bool kWideRegs = Quads::kLanes == 16;
+  static constexpr int64_t kFewRows = kWideRegs ? 8 : 2, kFewTileRows = kWideRegs ? 3 : 1, kWide = kWideRegs ? 3 : 2;
+  static constexpr int64_t kTileRows = kWideRegs ? 6 : 2, kNarrow = kWideRegs ? 2 : 1;
+  template <int M, int P>
+  static void run(const TileArgs& a) {
+    tile<Quads, FVec, Bits, HasMins, M, P>(a);
+  }
+};
+
+// Tiles::run<m, P>, for m = 1 .. M: only the shapes that run are compiled.
+template <typename T, int P, int M>
+void tile_rows(int64_t m, const TileArgs& a) {
+  if constexpr (M > 1) {
+    if (m < M) return tile_rows<T, P, M - 1>(m, a);
+  }
+  T::template run<M, P>(a);
+}
+
+// The tiles of rows [r, r + m) over panels [first, first + count): P panels at a time, then 1.
+template <typename T, int M, int P, typename ArgsAt>
+void run_group(int64_t m, int64_t count, const ArgsAt& args_at) {
+  int64_t done = 0;
+  for (; done + P <= count; done += P) tile_rows<T, P, M>(m, args_at(done));
+  for (; done < count; ++done) tile_rows<T, 1, M>(m, args_at(done));
+}
+
+// Threads take groups of panels, each running its row tiles over the group's panels (later
+// tiles read them from cache); with fewer groups than about 4 per thread, blocks of rows too.
+template <typename T>
+void run_panels(const QuantRows& xq, const at::Tensor& packed, int64_t panel_stride, const float* bias, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = out.size(1), panels = num_panels(n), blocks = xq.dx.size(1);
+  const bool few = rows <= T::kFewRows;
+  const int64_t tile_height = few ? T::kFewTileRows : T::kTileRows;
+  const int64_t per_group = few ? T::kWide : T::kNarrow, num_groups = (panels + per_group - 1) / per_group;
+  const int64_t row_tiles = (rows + tile_height - 1) / tile_height, wanted_tasks = 4 * at::get_num_threads();
+  const int64_t split = num_groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + num_groups - 1) / num_groups);
+  const int64_t block_rows = (row_tiles + split - 1) / split * tile_height, num_blocks = (rows + block_rows - 1) / block_rows;
+  const uint8_t* first_panel = packed.data_ptr<uint8_t>() + kHeaderBytes;
+  at::parallel_for(0, num_groups * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task % num_groups, row_block = task / num_groups;
+      const int64_t first = g * per_group, count = std::min(per_group, panels - first);
+      const int64_t block_end = std::min(rows, (row_block + 1) * block_rows);
+      for (int64_t r = row_block * block_rows; r < block_end; r += tile_height) {
+        const int64_t m = std::min(tile_height, block_end - r);
+        auto args_at = [&](int64_t done) {
+          const int64_t panel = first + done, col = panel * kPanelCols;
+          return TileArgs{xq.quants.data_ptr<int8_t>() + r * xq.quants.size(1), xq.quants.size(1),
+                          xq.dx.data_ptr<float>() + r * blocks, xq.dx_sums.data_ptr<float>() + r * blocks,
+                          xq.starts.data_ptr<int32_t>() + r * blocks, first_panel + panel * panel_stride, panel_stride,
+                          blocks, bias == nullptr ? nullptr : bias + col, static_cast<char*>(out.data_ptr()) + (r * n + col) * out.element_size(),
+                          out.scalar_type() == at::kBFloat16, n, n - col};
+        };
+        if (few) run_group<T, T::kFewTileRows, T::kWide>(m, count, args_at);
+        else run_group<T, T::kTileRows, T::kNarrow>(m, count, args_at);
+      }
+    }
+  });
+}
+
+// (Quads, FVec: template parameters, so that builds without AVX2, where they are only declared,
+// never instantiate this)
+template <int Bits, bool HasMins, typename Quads = QuadVec, typename FVec = QuantFloat>
+void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, const float* bias, at::Tensor& out) {
+  if constexpr (kHasQuant) {
+    const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
+    const QuantRows xq = quantize_rows<FVec>(x, offset);
+    run_panels<Tiles<Quads, FVec, Bits, HasMins>>(xq, packed, panel_bytes(Bits, h.k, HasMins), bias, out);
+  }
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kHasQuant, "quant_linear: this CPU build has no quantized kernel (it needs AVX2)");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(1) == k,
+              "quant_linear: x must be float32 or bfloat16 [M, K = ", k, "], not ", dtype, " ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= kHeaderBytes && std::memcmp(packed.data_ptr(), kMagic, sizeof(kMagic)) == 0,
+              "quant_linear: packed must be what pack_quant_linear returned");
+  PackedHeader h;
+  std::memcpy(&h, packed.data_ptr(), sizeof(h));
+  TORCH_CHECK(h.bits == bits && h.n == n && h.k == k, "quant_linear: packed holds a ", h.bits, "-bit [", h.n, ", ", h.k,
+              "] weight, called with bits=", bits, ", n=", n, ", k=", k);
+  TORCH_CHECK(packed.numel() == kHeaderBytes + num_panels(n) * panel_bytes(bits, k, h.has_mins != 0),
+              "quant_linear: packed has the wrong size for its header");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n,
+                "quant_linear: bias must be None or [N = ", n, "] of x's dtype, not ", bias->scalar_type(), " ", bias->sizes());
+    bias_f = at::constant_pad_nd(bias->to(at::kFloat), {0, num_panels(n) * kPanelCols - n}).contiguous();
+  }
+  const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (bits == 4) h.has_mins ? run<4, true>(xr, h, packed, b, out) : run<4, false>(xr, h, packed, b, out);
+  else h.has_mins ? run<8, true>(xr, h, packed, b, out) : run<8, false>(xr, h, packed, b, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("quant_linear_available() -> bool", &available);
+  m.def("pack_quant_linear(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
+  m.impl("pack_quant_linear", c10::DispatchKey::CPU, &pack_quant_linear);
+  m.def("quant_linear(Tensor x, Tensor packed, int bits, int n, int k, Tensor? bias) -> Tensor");
+  m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
+}
