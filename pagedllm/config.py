@@ -19,6 +19,7 @@ from pagedllm.flags import flag, flag_shape
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
+Quantization = Literal["gguf", "int8", "int4", "none"]
 Device = Literal["auto", "cpu", "cuda"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 HashAlgo = Literal["sha256", "xxhash"]
@@ -104,6 +105,15 @@ class EngineConfig:
             "Weight and activation dtype. auto: on CUDA bfloat16, or float16 where the GPU has no "
             "bfloat16; on CPU bfloat16 where it has bfloat16 instructions (AVX-512-BF16, AMX), "
             "else float32."
+        ),
+    )
+    quantization: Quantization | None = field(
+        default=None,
+        metadata=_flag(
+            "How weights are held. Left out: as the checkpoint stores them (a GGUF's quantized blocks "
+            "kept and computed by the integer kernels; gguf says the same). int8 / int4: a float "
+            "checkpoint quantized at load, per block of 32 inputs (8 bits symmetric, 4 bits with a "
+            "min), every projection but the LM head. none: every weight dequantized to --dtype."
         ),
     )
     device: Device = field(default="auto", metadata=_flag("auto: cuda when available, else cpu."))

@@ -13,11 +13,13 @@ folder (or hub name) gives its config.json, a GGUF its metadata, or the shape is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from pagedllm.layers.quantization import packed_bits_per_weight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import gguf_hf_config
 from pagedllm.model.loader import locate_model, resolve_dtype
@@ -72,6 +74,64 @@ def config_from_numbers(
     )
 
 
+_RESIDENT_BITS = {  # a GGUF block format -> bits per weight as the integer kernel holds it
+    "Q4_0": packed_bits_per_weight(4, has_mins=False),
+    "Q4_1": packed_bits_per_weight(4, has_mins=True),
+    "Q4_K": packed_bits_per_weight(4, has_mins=True),
+    "Q8_0": packed_bits_per_weight(8, has_mins=False),
+}
+_WIDENED_BITS = packed_bits_per_weight(8, has_mins=False)  # other block formats, widened to 8 bits
+
+
+def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
+    """Resident weight bytes by format for a GGUF served with its own blocks, from the tensor
+    directory alone (the file is memory-mapped, no weight is read): quantized matrices as the
+    integer kernel packs them, the quantized embedding's compact table (codes, float32 scales and
+    mins) plus its packed copy for a tied LM head, float tensors in `dtype`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    names = {tensor.name for tensor in reader.tensors}
+    by_format: dict[str, int] = {}
+
+    def add(name: str, size: float) -> None:
+        by_format[name] = by_format.get(name, 0) + int(size)
+
+    for tensor in reader.tensors:
+        kind, count = tensor.tensor_type.name, int(tensor.n_elements)
+        if kind in ("F32", "F16", "BF16") or len(tensor.shape) != 2:
+            if tensor.name != "rope_freqs.weight":
+                add(dtype, count * _DTYPE_BYTES[dtype])
+            continue
+        resident = kind if kind in _RESIDENT_BITS else f"{kind} as 8-bit"
+        packed = _RESIDENT_BITS.get(kind, _WIDENED_BITS) * count / 8
+        if tensor.name == "token_embd.weight":  # codes, and float32 scales (and mins for 4 bits)
+            bits = 4 if resident in ("Q4_0", "Q4_1", "Q4_K") else 8
+            add(resident, count * (bits + (2 if bits == 4 else 1)) / 8)
+            if "output.weight" not in names:
+                add(resident, packed)  # the tied head's packed copy
+        else:
+            add(resident, packed)
+    return by_format
+
+
+def weights_by_format(
+    model_config: ModelConfig, dtype: str, quantization: str | None, tp_size: int = 1
+) -> dict[str, int]:
+    """Resident weight bytes by format for a float checkpoint: all in `dtype`, or with
+    --quantization int8/int4 every projection but the LM head packed for the integer kernel."""
+    total = model_config.num_parameters(tp_size)
+    if quantization not in ("int8", "int4"):
+        return {dtype: total * _DTYPE_BYTES[dtype]}
+    projections = model_config.projection_parameters(tp_size)
+    bits = (
+        packed_bits_per_weight(8, has_mins=False)
+        if quantization == "int8"
+        else packed_bits_per_weight(4, has_mins=True)
+    )
+    return {quantization: int(projections * bits / 8), dtype: (total - projections) * _DTYPE_BYTES[dtype]}
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """Where the KV budget comes from, as in Worker.kv_cache_budget_bytes: an explicit size, else a
@@ -109,7 +169,11 @@ class CapacityPlan:
     kv: KVCachePlan
     """One rank's cache (with tensor parallelism every rank holds the same blocks)."""
     what_if: list[KVCachePlan]  # max_model_len x KV cache dtype, max_model_len-major
+    weights_by_format: dict[str, int]
+    """Resident weight bytes by how they are held (one rank's)."""
     tensor_parallel_size: int = 1
+    shared_prefix_tokens: int = 0
+    """A prefix every request shares (a fixed system prompt), held in the cache once."""
 
     @property
     def num_parameters(self) -> int:
@@ -118,7 +182,15 @@ class CapacityPlan:
 
     @property
     def weights_bytes(self) -> int:
-        return self.num_parameters * _DTYPE_BYTES[self.dtype]
+        return sum(self.weights_by_format.values())
+
+    @property
+    def max_concurrency_with_shared_prefix(self) -> float:
+        """Requests of max_model_len at once when the first shared_prefix_tokens of each are one
+        cached copy (its whole blocks shared; a partial last block is each request's own)."""
+        block = self.kv.spec.block_size
+        shared = self.shared_prefix_tokens // block * block
+        return max(0, self.kv.num_tokens - shared) / (self.kv.max_model_len - shared)
 
     def as_dict(self) -> dict[str, Any]:
         """Every figure, with self-explanatory keys (what `pagedllm plan --json` prints)."""
@@ -134,6 +206,9 @@ class CapacityPlan:
             "dtype": self.dtype,
             "num_parameters": self.num_parameters,
             "weights_bytes": self.weights_bytes,
+            "weights_bytes_by_format": self.weights_by_format,
+            "shared_prefix_tokens": self.shared_prefix_tokens,
+            "max_concurrency_with_shared_prefix": self.max_concurrency_with_shared_prefix,
             "device_memory_bytes": self.budget.device_memory_bytes,
             "gpu_memory_utilization": self.budget.gpu_memory_utilization
             if self.budget.device_memory_bytes is not None
@@ -157,6 +232,9 @@ def plan_capacity(
     max_model_len: int | None = None,
     budget: MemoryBudget | None = None,
     tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+    gguf_path: Path | None = None,
+    shared_prefix_tokens: int = 0,
 ) -> CapacityPlan:
     """Blocks, tokens and concurrency for one setting, plus the what-if grid. With tensor
     parallelism the weights, the budget and the cache are one rank's, as the engine sizes them.
@@ -171,8 +249,17 @@ def plan_capacity(
     model_dtype = dtype if dtype != "auto" else _auto_dtype(on_gpu)
     model_max = model_config.resolve_max_model_len(None)
     served_len = model_config.resolve_max_model_len(max_model_len)  # ValueError as the engine's
-    weights = model_config.num_parameters(tensor_parallel_size) * _DTYPE_BYTES[model_dtype]
-    kv_bytes = budget.kv_cache_bytes(weights)
+    if gguf_path is not None and quantization != "none":
+        if tensor_parallel_size > 1:
+            raise ValueError("plan: a GGUF's own formats are planned for one rank; give --quantization none")
+        by_format = gguf_weights_by_format(gguf_path, model_dtype)
+    else:
+        by_format = weights_by_format(model_config, model_dtype, quantization, tensor_parallel_size)
+    kv_bytes = budget.kv_cache_bytes(sum(by_format.values()))
+    if not 0 <= shared_prefix_tokens < served_len:
+        raise ValueError(
+            f"--shared-prefix-tokens {shared_prefix_tokens}: must be below max_model_len {served_len}"
+        )
 
     def kv_plan(cache: str, length: int) -> KVCachePlan:
         cache_dtype = resolve_cache_dtype(cache, model_dtype)
@@ -190,7 +277,9 @@ def plan_capacity(
         budget=budget,
         kv=kv_plan(kv_cache_dtype, served_len),
         what_if=[kv_plan(cache, n) for n in lengths for cache in WHAT_IF_KV_CACHE_DTYPES],
+        weights_by_format=by_format,
         tensor_parallel_size=tensor_parallel_size,
+        shared_prefix_tokens=shared_prefix_tokens,
     )
 
 

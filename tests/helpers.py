@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.loader import default_model_path
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -28,6 +31,7 @@ API_KEY = "test-key"
 # Small enough to keep the suite fast, large enough for every test prompt.
 TEST_ENGINE_ARGS = {
     "dtype": "float32",
+    "quantization": "none",  # the default GGUF dequantized: float32 tokens equal transformers'
     "max_model_len": 1024,
     "kv_cache_memory_bytes": "256MiB",
     "disable_log_stats": True,
@@ -39,6 +43,8 @@ def server_engine_args() -> list[str]:
     return [
         "--dtype",
         TEST_ENGINE_ARGS["dtype"],
+        "--quantization",
+        TEST_ENGINE_ARGS["quantization"],
         "--max-model-len",
         str(TEST_ENGINE_ARGS["max_model_len"]),
         "--kv-cache-memory-bytes",
@@ -243,3 +249,59 @@ def nested_schema_text(depth: int) -> str:
     """`depth` objects, each the only property of the one above (450: the 15 KB schema of issue
     21, which compiled for 25-45 s)."""
     return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.3,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def tiny_architectures():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500000.0,
+    }
+    return {
+        "llama3-rope-untied": LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=llama3),
+        "llama-linear-rope": LlamaConfig(
+            **TINY,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "mistral": MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+        # head_dim 32, not hidden / heads = 16, as Qwen3-0.6B's 128 is not 1024 / 16
+        "qwen3-head-dim": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+    }
+
+
+def save_tiny_model(name, folder):
+    """A random tiny model of `name` (_architectures) saved as an HF folder with SmolLM2's tokenizer.
+    Norm weights are random too (transformers starts them at 1), so a misplaced one shows."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_architectures()[name], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    for file in converted_folder(default_model_path()).glob("tokenizer*"):
+        shutil.copy(file, folder)
+    return model

@@ -15,7 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.attention.kv_quant import SCALE_BYTES, dequantize, quantize
 from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan
 from pagedllm.attention.paged_attention import paged_attention, read_blocks, write_kv
-from pagedllm.eval.kv_quant import load_eval_set, tokens_until_divergence
+from pagedllm.eval.scoring import load_eval_set, tokens_until_divergence
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_cache_dtype
 
 from .helpers import TEST_ENGINE_ARGS

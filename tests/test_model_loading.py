@@ -7,28 +7,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
+import re
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import MODEL_CLASSES, default_model_path
 from pagedllm.worker.kv_cache import KVCacheSpec, plan_kv_cache
 
-from .helpers import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS, save_tiny_model
 
 
-def test_gguf_conversion_equals_transformers_gguf_weights(reference):
-    from safetensors.torch import load_file
-
-    ours = load_file(str(converted_folder(default_model_path()) / "model.safetensors"))
+def test_gguf_weights_as_read_equal_transformers_gguf_weights(reference):
+    """Our reading of the GGUF's blocks (kept quantized) dequantizes to exactly transformers' weights."""
+    path = default_model_path()
+    config = ModelConfig.from_folder(converted_folder(path))
+    ours = dict(iter_gguf_weights(path, config))
     theirs = reference.model.state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: the embedding serves as lm_head
-    for name, tensor in ours.items():
+    assert {w.format for w in ours.values() if isinstance(w, BlockQuantized)} == {"Q4_1", "Q8_0"}
+    for name, weight in ours.items():
+        tensor = weight.dequantize() if isinstance(weight, BlockQuantized) else weight
         assert torch.equal(tensor.float(), theirs[name].float()), name  # Q/K rows un-permuted, exact dequant
+    assert not list(converted_folder(path).glob("*.safetensors")), "no dequantized copy on disk"
 
 
 def test_every_supported_architecture_has_a_model_class():
@@ -58,73 +64,18 @@ def test_startup_report_says_what_vllm_users_grep_for():
         logger.removeHandler(handler)
         logger.setLevel(level)
     text = "\n".join(lines)
-    assert "weights take 0.50 GiB" in text
+    # the default GGUF's own blocks, kept: Q4_1 projections, a Q8_0 embedding (and its tied head)
+    assert re.search(r"weights take 0\.\d\d GiB \(Q4_1 0\.\d\d GiB, Q8_0 0\.\d\d GiB", text), text
     assert "Available KV cache memory: 1.00 GiB" in text
     assert "KV cache size: 23,296 tokens" in text  # 1 GiB / (46,080 B/token), whole 16-token blocks
     assert "Maximum concurrency for 4,096 tokens per request: 5.69x" in text
-
-
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 49152,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.3,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-def _architectures():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    llama3 = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "rope_theta": 500000.0,
-    }
-    return {
-        "llama3-rope-untied": LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=llama3),
-        "llama-linear-rope": LlamaConfig(
-            **TINY,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-        ),
-        "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=True),
-        "mistral": MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
-        # head_dim 32, not hidden / heads = 16, as Qwen3-0.6B's 128 is not 1024 / 16
-        "qwen3-head-dim": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
-    }
-
-
-def _save_tiny_model(name, folder):
-    """A random tiny model of `name` (_architectures) saved as an HF folder with SmolLM2's tokenizer.
-    Norm weights are random too (transformers starts them at 1), so a misplaced one shows."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_architectures()[name], dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    for file in converted_folder(default_model_path()).glob("tokenizer*"):
-        shutil.copy(file, folder)
-    return model
 
 
 @pytest.mark.parametrize(
     "name", ["llama3-rope-untied", "llama-linear-rope", "qwen2-bias", "mistral", "qwen3-head-dim"]
 )
 def test_architecture_matches_transformers(name, tmp_path, reference):
-    model = _save_tiny_model(name, tmp_path)
+    model = save_tiny_model(name, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"][0] == type(model).__name__
     assert saved["architectures"][0] in SUPPORTED_ARCHITECTURES
@@ -217,14 +168,12 @@ def _write_qwen3_gguf(model, path) -> None:
 
 
 def test_qwen3_gguf_loads_as_its_hf_folder(tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
-    model = _save_tiny_model("qwen3-head-dim", tmp_path / "hf")
+    model = save_tiny_model("qwen3-head-dim", tmp_path / "hf")
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))  # after the tokenizer's copy
     _write_qwen3_gguf(model, tmp_path / "tiny-qwen3.gguf")
     folder = converted_folder(tmp_path / "tiny-qwen3.gguf")
 
-    ours = load_file(str(folder / "model.safetensors"))
+    ours = dict(iter_gguf_weights(tmp_path / "tiny-qwen3.gguf", ModelConfig.from_folder(folder)))
     theirs = {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}
     assert set(ours) == set(theirs)
     for name, tensor in ours.items():

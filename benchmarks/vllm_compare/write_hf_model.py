@@ -4,9 +4,10 @@ chat template.
 
     .venv/bin/python benchmarks/vllm_compare/write_hf_model.py OUT_DIR [--dtype bfloat16|float32]
 
-It reuses pagedllm's own GGUF conversion (`converted_folder`: dequantized to float32, as
-transformers does, Q/K rows un-permuted, tokenizer saved from the GGUF metadata) and only casts
-the weights and records the dtype in config.json. Nothing is rewritten when OUT_DIR already holds
+It reuses pagedllm's own GGUF reading (`converted_folder` for the config and the tokenizer saved
+from the GGUF metadata; `iter_gguf_weights` for the weights, dequantized to float32 exactly as
+transformers does, Q/K rows un-permuted) and only casts the weights and records the dtype in
+config.json. Nothing is rewritten when OUT_DIR already holds
 the same dtype.
 """
 
@@ -18,9 +19,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.layers.quantization import BlockQuantized
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_convert import GGUF_SOURCE, converted_folder
+from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import default_model_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -30,14 +34,18 @@ def write_hf_model(out_dir: Path, dtype: str) -> Path:
     config_path = out_dir / "config.json"
     if config_path.exists() and json.loads(config_path.read_text()).get("torch_dtype") == dtype:
         return out_dir
-    source = converted_folder(default_model_path())
+    gguf_path = default_model_path()
+    source = converted_folder(gguf_path)
     staging = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for file in source.iterdir():
-        if file.name not in ("model.safetensors", "config.json"):
+        if file.name not in (GGUF_SOURCE, "config.json"):
             shutil.copy2(file, staging / file.name)
-    tensors = {name: t.to(DTYPES[dtype]) for name, t in load_file(source / "model.safetensors").items()}
+    tensors = {
+        name: (weight.dequantize() if isinstance(weight, BlockQuantized) else weight).to(DTYPES[dtype])
+        for name, weight in iter_gguf_weights(gguf_path, ModelConfig.from_folder(source))
+    }
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     # transformers 4.x reads torch_dtype, 5.x dtype; vLLM's --dtype auto follows it

@@ -23,7 +23,7 @@ import torch
 from pagedllm.bench.throughput import EngineResult, git_sha, run_engine
 from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.eval.kv_quant import load_eval_set, perplexity, run_generation
+from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation
 from pagedllm.logger import configure_logging
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import resolve_dtype, resolve_model_folder

@@ -20,7 +20,7 @@ from pathlib import Path
 from pagedllm.bench.throughput import git_sha
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.eval.kv_quant import tokens_until_divergence
+from pagedllm.eval.scoring import tokens_until_divergence
 from pagedllm.logger import configure_logging
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import chat_prompt

@@ -19,23 +19,16 @@ import gc
 import json
 import math
 from dataclasses import asdict, dataclass
-from importlib import resources
 
 from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation, tokens_until_divergence
 from pagedllm.logger import configure_logging
-from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import KVCacheSpec
 
 _EVAL_MAX_MODEL_LEN = 2048  # the texts are shorter; a small cache starts fast
 _EVAL_KV_CACHE_BYTES = 1 << 30
-
-
-def load_eval_set(name: str) -> list[str]:
-    """`texts` (a few KB of varied English) or `prompts` (8 prompt openings)."""
-    data = resources.files("pagedllm.eval").joinpath("data", f"{name}.json")
-    return json.loads(data.read_text(encoding="utf-8"))
 
 
 @dataclass
@@ -50,32 +43,6 @@ class CacheRun:
     num_scored_tokens: int
     greedy_token_ids: list[list[int]]
     all_finite: bool
-
-
-def run_generation(engine: LLMEngine, prompts: list, params: SamplingParams) -> list[RequestOutput]:
-    """Every prompt to completion, outputs in the prompts' order."""
-    req_ids = [engine.add_request(None, prompt, params) for prompt in prompts]
-    finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    return [finished[req_id] for req_id in req_ids]
-
-
-def perplexity(engine: LLMEngine, texts: list[str]) -> tuple[float, int, bool]:
-    """(perplexity, tokens scored, all logprobs finite) of the texts, teacher-forced through the
-    paged path; each text is cut to max_model_len - 1 tokens."""
-    limit = engine.max_model_len - 1
-    prompts = [{"prompt_token_ids": engine.tokenizer(text).input_ids[:limit]} for text in texts]
-    outputs = run_generation(
-        engine, prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    )
-    logprobs = [
-        position[token_id].logprob
-        for output in outputs
-        for token_id, position in zip(output.prompt_token_ids, output.prompt_logprobs or [], strict=True)
-        if position is not None
-    ]
-    return math.exp(-sum(logprobs) / len(logprobs)), len(logprobs), all(map(math.isfinite, logprobs))
 
 
 def run_cache(config: EngineConfig, texts: list[str], prompts: list[str], max_tokens: int) -> CacheRun:
@@ -103,10 +70,6 @@ def run_cache(config: EngineConfig, texts: list[str], prompts: list[str], max_to
         greedy_token_ids=[o.outputs[0].token_ids for o in outputs],
         all_finite=ppl_finite and generated_finite,
     )
-
-
-def tokens_until_divergence(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def compare(base: CacheRun, quant: CacheRun, max_tokens: int) -> dict:

@@ -30,6 +30,7 @@ from torch import nn
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.quantization import BlockQuantized, join_rows
 
 _FEW_ROWS = 96
 
@@ -69,17 +70,73 @@ def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
     target.copy_(loaded)
 
 
+Loaded = torch.Tensor | BlockQuantized
+"""A checkpoint weight: float, or kept in its quantized blocks (layers/quantization.py)."""
+
+
+def rows_of(loaded: Loaded, start: int, length: int) -> Loaded:
+    return (
+        loaded.rows(start, length) if isinstance(loaded, BlockQuantized) else loaded.narrow(0, start, length)
+    )
+
+
+def columns_of(loaded: Loaded, start: int, length: int) -> Loaded:
+    return (
+        loaded.columns(start, length)
+        if isinstance(loaded, BlockQuantized)
+        else loaded.narrow(1, start, length)
+    )
+
+
+def quant_linear_impl(bits: int, n: int, k: int) -> LinearImpl:
+    """The integer kernel over a weight packed by cpu_ops.pack_quant_linear."""
+
+    def impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_ops.quant_linear(x, packed, bits, n, k, bias)
+
+    return impl
+
+
 class Linear(nn.Linear):
     """A projection whole on every rank: y = x Wᵀ (+ b)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.impl: LinearImpl = F.linear
+        self.quantized_parts: dict[int, BlockQuantized] = {}
+        """Quantized checkpoint weights by part (0 unless fused), kept until choose_impl packs them."""
+        self.weight_format = ""
+        """How the weight is held once chosen: its quantized format, or empty for float."""
+
+    @property
+    def quantized(self) -> BlockQuantized | None:
+        """The loaded weight in quantized blocks, its parts joined; None if it loaded as float."""
+        if not self.quantized_parts:
+            return None
+        return join_rows([self.quantized_parts[i] for i in sorted(self.quantized_parts)])
+
+    def set_quantized(self, weight: BlockQuantized | None) -> None:
+        """Hold `weight` (None: the float weight) from now on; the loader's --quantization policy."""
+        self.quantized_parts = {} if weight is None else {0: weight}
 
     def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Pack the weight for the few-rows kernel or oneDNN where that serves this CPU and
-        dtype. A weight shared with another module (a tied lm_head) is replaced here by its
-        packed copy, so the other module keeps its plain tensor."""
+        """Pack the weight for the integer kernel (quantized), the few-rows kernel or oneDNN
+        where that serves this CPU and dtype. A weight shared with another module (a tied
+        lm_head) is replaced here by its packed copy, so the other module keeps its plain tensor.
+        A quantized weight no kernel here takes is dequantized into the float weight."""
+        quantized = self.quantized
+        self.quantized_parts = {}
+        if quantized is not None:
+            n, k = quantized.shape
+            if device.type == "cpu" and cpu_ops.serves_quant_linear(quantized.bits, n, k):
+                packed = cpu_ops.pack_quant_linear(
+                    quantized.q, quantized.scales, quantized.mins, quantized.bits
+                )
+                self.weight = nn.Parameter(packed, requires_grad=False)
+                self.impl = quant_linear_impl(quantized.bits, n, k)
+                self.weight_format = quantized.format
+                return
+            self.weight = nn.Parameter(quantized.dequantize(dtype).to(device), requires_grad=False)
         if device.type != "cpu":
             return
         if cpu_ops.serves_few_rows_linear(self.weight):
@@ -91,9 +148,21 @@ class Linear(nn.Linear):
         else:
             self.impl = cpu_linear
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         """Copy a checkpoint tensor into `param` (this rank's part of it, for split layers)."""
-        copy_weight(param.data, loaded)
+        self._place(param, loaded, shard_id, 0)
+
+    def _place(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None, offset: int) -> None:
+        """A float part is copied into `param` at row `offset`; a quantized one kept as it is."""
+        if isinstance(loaded, BlockQuantized):
+            if param is not self.weight:
+                raise ValueError("only a projection's weight may be quantized")
+            if loaded.shape[1] != param.shape[1]:
+                raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+            self.quantized_parts[shard_id or 0] = loaded
+            return
+        target = param.data if shard_id is None else param.data.narrow(0, offset, loaded.shape[0])
+        copy_weight(target, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
@@ -110,13 +179,15 @@ class MergedColumnParallelLinear(Linear):
         self.tp = tp
         self.output_sizes = [size // tp_size for size in output_sizes]  # this rank's
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         """`loaded`: the whole checkpoint tensor of projection `shard_id` (its index in output_sizes)."""
         assert shard_id is not None
+        size = self.output_sizes[shard_id]
         if self.tp is not None:
-            loaded = loaded.chunk(self.tp.world_size, 0)[self.tp.rank]
-        offset = sum(self.output_sizes[:shard_id])
-        copy_weight(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded)
+            loaded = rows_of(loaded, self.tp.rank * size, size)
+        if loaded.shape[0] != size:
+            raise ValueError(f"shape {tuple(loaded.shape)}: expected {size} rows")
+        self._place(param, loaded, shard_id, sum(self.output_sizes[:shard_id]))
 
 
 class RowParallelLinear(Linear):
@@ -126,10 +197,11 @@ class RowParallelLinear(Linear):
         super().__init__(in_features // (tp.world_size if tp is not None else 1), out_features)
         self.tp = tp
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
-        if self.tp is not None:
-            loaded = loaded.chunk(self.tp.world_size, 1)[self.tp.rank]
-        copy_weight(param.data, loaded)
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
+        if self.tp is not None and param is self.weight:
+            columns = self.in_features
+            loaded = columns_of(loaded, self.tp.rank * columns, columns)
+        self._place(param, loaded, shard_id, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.impl(x, self.weight, self.bias)

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers.linear import Linear, copy_weight
+from pagedllm.layers.linear import Linear, Loaded, rows_of
+from pagedllm.layers.quantization import BlockQuantized
 
 
 class ParallelLMHead(Linear):
@@ -21,7 +22,7 @@ class ParallelLMHead(Linear):
         self.is_computed_here = tp is None or tp.is_driver or vocab_parallel
         self.is_tied = False
         self.packed_copy_bytes = 0
-        """A tied head's own packed copy: the embedding lookup keeps the plain weight."""
+        """A tied head's own packed copy: the embedding lookup keeps the plain (or compact) table."""
 
     def tie(self, embedding: torch.Tensor) -> None:
         """Share the embedding's weight (this rank's rows of it, when split by vocabulary)."""
@@ -33,19 +34,25 @@ class ParallelLMHead(Linear):
         rows = self.out_features
         self.weight = nn.Parameter(embedding.narrow(0, self.tp.rank * rows, rows))
 
+    def tie_quantized(self, table: BlockQuantized) -> None:
+        """Compute from the embedding's quantized table (this rank's rows of it when split)."""
+        self.set_quantized(table if not self.vocab_parallel else self._rows(table))
+
     def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
         if not self.is_computed_here:
             return  # rank 0 alone computes logits: no packed copy here
         before = self.weight
         super().choose_impl(device, dtype)
         if self.is_tied and self.weight is not before:
-            self.packed_copy_bytes = before.numel() * before.element_size()
+            self.packed_copy_bytes = self.weight.numel() * self.weight.element_size()
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
-        if self.vocab_parallel:
-            assert self.tp is not None
-            loaded = loaded.chunk(self.tp.world_size, 0)[self.tp.rank]
-        copy_weight(param.data, loaded)
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
+        super().weight_loader(param, self._rows(loaded) if self.vocab_parallel else loaded, shard_id)
+
+    def _rows(self, loaded: Loaded) -> Loaded:
+        """This rank's vocabulary rows."""
+        assert self.tp is not None
+        return rows_of(loaded, self.tp.rank * self.out_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         """x: [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]; split by

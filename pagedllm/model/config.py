@@ -108,6 +108,13 @@ class ModelConfig:
         embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
         return layers * per_layer + embeddings + h
 
+    def projection_parameters(self, tp_size: int = 1) -> int:
+        """The layers' projection weights (q/k/v/o, gate/up/down), one rank's share: what
+        --quantization int8/int4 quantizes."""
+        h = self.hidden_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
+        return self.num_hidden_layers * per_layer // tp_size
+
     def check_tensor_parallel_size(self, tp_size: int) -> None:
         """Raise ValueError, naming the sizes that work, unless every rank gets whole heads."""
         counts = {

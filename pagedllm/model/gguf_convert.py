@@ -1,11 +1,9 @@
-"""GGUF -> Hugging Face folder (config.json, model.safetensors, tokenizer), done once and cached.
+"""GGUF -> a Hugging Face-shaped folder of its metadata (config.json, tokenizer), made once and cached.
 
-Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants...) are dequantized to float32 by the `gguf`
-package, exactly as transformers does when it loads a GGUF, so float32 runs match it token
-for token. llama.cpp stores Llama's Q and K rows permuted for its rotary layout; that is
-undone here. The tokenizer and chat template come from the GGUF metadata through
-transformers' GGUF tokenizer converter, then are saved as plain tokenizer files, so the
-second start reads a folder and needs neither conversion.
+The weights stay in the GGUF: the folder names the file (GGUF_SOURCE) and model/gguf_weights.py
+reads its tensors at every load, quantized blocks as they are. The tokenizer and chat template
+come from the GGUF metadata through transformers' GGUF tokenizer converter, then are saved as
+plain tokenizer files, so the second start reads a folder and needs no conversion.
 """
 
 from __future__ import annotations
@@ -20,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
+GGUF_SOURCE = "gguf_source.txt"
+"""In a converted folder: the path of the GGUF whose weights it stands for."""
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_TENSORS = {
@@ -54,7 +54,7 @@ def _cache_folder(path: Path) -> Path:
 
 
 def converted_folder(gguf_path: str | Path) -> Path:
-    """The cached HF folder for a GGUF file, converting it on first use."""
+    """The cached folder (config and tokenizer) for a GGUF file, converting it on first use."""
     path = Path(gguf_path).resolve()
     folder = _cache_folder(path)
     if (folder / "config.json").exists():
@@ -86,28 +86,19 @@ def gguf_hf_config(gguf_path: str | Path) -> dict[str, Any]:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """config.json, the tokenizer files and GGUF_SOURCE into `out_dir`; no weights."""
     import gguf
-    import torch
-    from safetensors.torch import save_file
 
     reader = gguf.GGUFReader(str(gguf_path))
-    config = _config_of(reader)
-    arch = config["model_type"]
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            continue  # folded into config.json (rope_freq_factors)
-        name = _hf_name(tensor.name)
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
-            array = _unpermute_rotary_rows(array, heads)
-        # F32/F16 tensors come back as read-only views of the mapped file: copy those only
-        tensors[name] = torch.from_numpy(np.require(array, requirements=["C", "W"]))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(_config_of(reader), indent=2))
+    (out_dir / GGUF_SOURCE).write_text(str(gguf_path))
     _save_tokenizer(gguf_path, out_dir)
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF a converted folder stands for; None for a plain Hugging Face folder."""
+    source = folder / GGUF_SOURCE
+    return Path(source.read_text()) if source.exists() else None
 
 
 def _config_of(reader: Any) -> dict[str, Any]:
@@ -176,7 +167,7 @@ def _hf_config(md: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]:
     return config
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
@@ -185,7 +176,7 @@ def _hf_name(gguf_name: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
-def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's convert permutation: per head, rows were interleaved
     (pairs) for its rotary layout; Hugging Face's rotate-half wants them in two halves."""
     half = weight.shape[0] // num_heads // 2

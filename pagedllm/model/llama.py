@@ -27,6 +27,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers import choose_impls
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.lm_head import ParallelLMHead
@@ -113,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling, config.rope_freq_factors
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.decoder_layer_class(config, tp) for _ in range(config.num_hidden_layers)
         )
@@ -125,12 +126,15 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens.weight)
 
-    def prepare(self) -> int:
-        """Have every layer choose how it computes on this device and dtype (packing projection
-        weights where that pays); once, after loading. Returns the bytes this adds: a tied
-        lm_head gets its own packed copy, since the embedding lookup needs the plain one."""
-        weight = self.embed_tokens.weight
-        choose_impls(self, weight.device, weight.dtype)
+    def prepare(self, dtype: torch.dtype) -> int:
+        """Have every layer choose how it computes on this device and `dtype` (packing projection
+        weights where that pays, quantized ones for the integer kernel); once, after loading.
+        Returns the bytes this adds: a tied lm_head gets its own packed copy, since the embedding
+        lookup needs the plain (or compact quantized) table."""
+        table = self.embed_tokens.quantized
+        if self.config.tie_word_embeddings and table is not None:
+            self.lm_head.tie_quantized(table)
+        choose_impls(self, self.norm.weight.device, dtype)
         return self.lm_head.packed_copy_bytes
 
     def forward(

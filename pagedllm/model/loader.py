@@ -18,9 +18,12 @@ from tqdm import tqdm
 
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers.linear import copy_weight
+from pagedllm.layers.embedding import VocabEmbedding
+from pagedllm.layers.linear import Linear, Loaded, copy_weight
+from pagedllm.layers.lm_head import ParallelLMHead
+from pagedllm.layers.quantization import BlockQuantized, quantize
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.gguf_convert import converted_folder, gguf_source
 from pagedllm.model.hub import hub_model_path, is_hub_model
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.qwen3 import Qwen3ForCausalLM
@@ -112,31 +115,74 @@ def load_model(
     device: torch.device,
     max_position: int,
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """The model with its weights; with `tp`, this rank's share of them only."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    """The model with its weights; with `tp`, this rank's share of them only. `quantization`:
+    --quantization (None: the checkpoint's own, quantized blocks kept for a GGUF)."""
+    source = gguf_source(folder)
+    check_quantization(quantization, is_gguf=source is not None)
+    if source is not None:
+        from pagedllm.model.gguf_weights import iter_gguf_weights
+
+        files = [source]
+        weights: Iterable[tuple[str, Loaded]] = iter_gguf_weights(source, config)
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        weights = _iter_tensors(files)
     size = sum(file.stat().st_size for file in files)
     logger.info(
-        "Loading weights from %s (%d file%s, %.2f GiB) as %s on %s",
-        folder,
+        "Loading weights from %s (%d file%s, %.2f GiB) as %s on %s%s",
+        source or folder,
         len(files),
         "" if len(files) == 1 else "s",
         size / 2**30,
         str(dtype).removeprefix("torch."),
         device,
+        f", --quantization {quantization}" if quantization else "",
     )
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, max_position, tp).to(dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.rotary.compute_cache()  # buffers are computed, not loaded
-    load_weights(model, _iter_tensors(files))
+    load_weights(model, weights)
+    apply_quantization(model, quantization, dtype)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def check_quantization(quantization: str | None, *, is_gguf: bool) -> None:
+    """Refuse what cannot apply: gguf without a GGUF, int8/int4 on weights already quantized."""
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf: the model is not a .gguf file")
+    if quantization in ("int8", "int4") and is_gguf:
+        raise ValueError(
+            f"--quantization {quantization} quantizes a float checkpoint; this GGUF is quantized already "
+            "(leave --quantization out to keep its formats, or give none to dequantize it)"
+        )
+
+
+def apply_quantization(model: LlamaForCausalLM, quantization: str | None, dtype: torch.dtype) -> None:
+    """--quantization on the loaded model: none dequantizes every quantized weight into --dtype;
+    int8/int4 quantize every projection but the LM head (vLLM's habit: the head decides the
+    tokens); left out (or gguf), quantized weights stay as loaded, for the layers to pack."""
+    for module in model.modules():
+        if quantization == "none":
+            if isinstance(module, Linear) and (weight := module.quantized) is not None:
+                module.weight.data.copy_(weight.dequantize(dtype))
+                module.set_quantized(None)
+            elif isinstance(module, VocabEmbedding) and module.quantized is not None:
+                module.dequantize_into_weight(dtype)
+        elif (
+            quantization in ("int8", "int4")
+            and isinstance(module, Linear)
+            and not isinstance(module, ParallelLMHead)
+        ):
+            module.set_quantized(quantize(module.weight, 8 if quantization == "int8" else 4))
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]]) -> None:
     """Copy Hugging Face-named tensors in: each through the weight_loader of the layer that owns
     it, which takes this rank's slice of a split projection and places q/k/v and gate/up in
     their fused one (the model's packed_modules_mapping names them)."""
@@ -154,6 +200,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         try:
             if weight_loader is not None:
                 weight_loader(params[name], tensor, shard_id)
+            elif isinstance(tensor, BlockQuantized):
+                raise ValueError("a quantized tensor where the model takes a float one")
             else:
                 copy_weight(params[name].data, tensor)
         except ValueError as err:

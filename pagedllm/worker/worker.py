@@ -80,14 +80,32 @@ class Worker:
         assert self.model is not None
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) - self.packed_copy_bytes
 
+    def weights_bytes_by_format(self) -> dict[str, int]:
+        """Resident weight bytes by how they are held: a quantized format (Q4_K, int8...) or the
+        model's dtype (whatever layout a kernel packed it in); a tied head's packed copy included."""
+        assert self.model is not None
+        by_format: dict[str, int] = {}
+        for module in self.model.modules():
+            fmt = getattr(module, "weight_format", "")
+            for param in module.parameters(recurse=False):
+                name = fmt or str(self.dtype).removeprefix("torch.")
+                by_format[name] = by_format.get(name, 0) + param.numel() * param.element_size()
+        return by_format
+
     def load_model(self, max_position: int) -> None:
         if self.cpu_threads is not None:
             keep_freed_memory()
             self.cpu_threads.start()
         self.model = load_model(
-            self.model_folder, self.model_config, self.dtype, self.device, max_position, self.tp
+            self.model_folder,
+            self.model_config,
+            self.dtype,
+            self.device,
+            max_position,
+            self.tp,
+            self.config.quantization,
         )
-        self.packed_copy_bytes = self.model.prepare()
+        self.packed_copy_bytes = self.model.prepare(self.dtype)
 
     def plan_kv_cache(self, max_model_len: int) -> KVCachePlan:
         """This rank's cache: its budget in blocks of its share of the KV heads; with tensor

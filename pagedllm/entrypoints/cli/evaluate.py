@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.eval import kv_quant
+from pagedllm.eval import kv_quant, weight_quant
 
 
 def register(evaluate: argparse.ArgumentParser) -> None:
@@ -14,3 +14,10 @@ def register(evaluate: argparse.ArgumentParser) -> None:
     )
     kv_quant.add_arguments(parser)
     parser.set_defaults(handler=kv_quant.main)
+    parser = kinds.add_parser(
+        "weight-quant",
+        help="perplexity, greedy agreement and bytes of quantized weights (a GGUF's own, int8, int4) "
+        "against the same weights dequantized",
+    )
+    weight_quant.add_arguments(parser)
+    parser.set_defaults(handler=weight_quant.main)

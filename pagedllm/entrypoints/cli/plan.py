@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import get_args
 
-from pagedllm.config import DType, KVCacheDType, parse_memory_size
-from pagedllm.model.loader import model_display_name
+from pagedllm.config import DType, KVCacheDType, Quantization, parse_memory_size
+from pagedllm.model.loader import locate_model, model_display_name
 from pagedllm.planner import (
     WHAT_IF_KV_CACHE_DTYPES,
     CapacityPlan,
@@ -36,6 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto")
     parser.add_argument("--block-size", type=int, default=16, choices=[2**i for i in range(9)])
     parser.add_argument("--dtype", choices=get_args(DType), default="auto", help="weights dtype")
+    parser.add_argument(
+        "--quantization",
+        choices=get_args(Quantization),
+        default=None,
+        help="as serve's: left out, a GGUF's own formats; int8/int4 quantize a float checkpoint's "
+        "projections; none dequantizes to --dtype",
+    )
+    parser.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="a prefix every request shares (a fixed system prompt), cached once: the concurrency it allows",
+    )
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument("--kv-cache-memory-bytes", type=parse_memory_size, default=None, help="e.g. 1GiB")
     memory.add_argument(
@@ -76,9 +89,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def build_plan(args: argparse.Namespace) -> CapacityPlan:
+    gguf_path = None
     if args.layers is None:
         config = read_model_config(args.model, revision=args.revision, download_dir=args.download_dir)
         name = model_display_name(args.model)
+        path = locate_model(args.model, revision=args.revision, download_dir=args.download_dir, weights=False)
+        gguf_path = path if path.suffix == ".gguf" else None
     elif args.model is not None:
         raise ValueError("give --model or the model by numbers (--layers ...), not both")
     else:
@@ -108,6 +124,9 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         budget=budget,
+        quantization=args.quantization,
+        gguf_path=gguf_path,
+        shared_prefix_tokens=args.shared_prefix_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 
@@ -124,8 +143,12 @@ def format_plan(plan: CapacityPlan) -> str:
         f"model            {plan.model_name} ({c.architecture})",
         f"shape            {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
         f"{c.num_key_value_heads} KV heads, head_dim {c.head_dim}, context {c.max_position_embeddings:,}",
-        f"weights          {plan.num_parameters:,} parameters x {plan.dtype} = {_size(plan.weights_bytes)}"
-        + per_rank,
+        f"weights          {plan.num_parameters:,} parameters = {_size(plan.weights_bytes)}{per_rank} ("
+        + ", ".join(
+            f"{name} {size / 2**30:.2f} GiB"
+            for name, size in sorted(plan.weights_by_format.items(), key=lambda i: -i[1])
+        )
+        + f"; activations {plan.dtype})",
         f"KV cache dtype   {spec.cache_dtype}",
         f"bytes per token  {spec.bytes_per_token:,} = 2 x {c.num_hidden_layers} layers x "
         f"{spec.num_kv_heads} KV heads x ({row}){scale_share}{per_rank}",
@@ -136,6 +159,11 @@ def format_plan(plan: CapacityPlan) -> str:
         f"max concurrency  {kv.max_concurrency:.2f} requests of {kv.max_model_len:,} tokens"
         + ("" if fits(kv) else "  (not one fits: the engine would refuse to start)"),
     ]
+    if plan.shared_prefix_tokens:
+        lines.append(
+            f"                 {plan.max_concurrency_with_shared_prefix:.2f} when their first "
+            f"{plan.shared_prefix_tokens:,} tokens are one shared prefix, cached once"
+        )
     if (
         budget.device_memory_bytes is not None
         and budget.kv_cache_memory_bytes is None

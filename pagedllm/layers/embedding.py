@@ -1,0 +1,81 @@
+"""The token embedding: float rows, or rows kept in their quantized blocks and dequantized as looked up.
+
+A step looks up a few hundred rows at most, so a quantized table costs a gather and a multiply-add
+per step and saves its float copy: for a 128k vocabulary that is the size of a small model. 4-bit
+rows are held two codes to a byte.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import Loaded, copy_weight
+from pagedllm.layers.quantization import BLOCK, BlockQuantized
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.quantized: BlockQuantized | None = None
+        """The table as loaded, when the checkpoint kept it quantized (a tied head packs it too)."""
+        self.weight_format = ""
+        self._dtype = torch.float32
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
+        if isinstance(loaded, BlockQuantized):
+            if loaded.shape != param.shape:
+                raise ValueError(f"shape {tuple(loaded.shape)} != expected {tuple(param.shape)}")
+            self.quantized = loaded
+            return
+        copy_weight(param.data, loaded)
+
+    def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
+        """A quantized table stays compact (its rows dequantized as looked up)."""
+        if self.quantized is not None:
+            self.keep_quantized(dtype)
+
+    def keep_quantized(self, dtype: torch.dtype) -> None:
+        """Hold the quantized table compactly (codes, float32 scales and mins) in place of the
+        float weight; rows come out in `dtype`."""
+        assert self.quantized is not None
+        table, device = self.quantized, self.weight.device
+        codes = table.q.view(torch.uint8) if table.bits == 8 else _pack_nibbles(table.q)
+        self.codes = nn.Parameter(codes.to(device), requires_grad=False)
+        self.scales = nn.Parameter(table.scales.to(device), requires_grad=False)
+        self.mins = None if table.mins is None else nn.Parameter(table.mins.to(device), requires_grad=False)
+        self.bits = table.bits
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
+        self.quantized = None
+        self.weight_format = table.format
+        self._dtype = dtype
+
+    def dequantize_into_weight(self, dtype: torch.dtype) -> None:
+        """The float table from the quantized one (--quantization none, or no kernel)."""
+        assert self.quantized is not None
+        self.weight.data.copy_(self.quantized.dequantize(dtype))  # in place: a tied head shares it
+        self.quantized = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.weight_format:
+            return nn.functional.embedding(input_ids, self.weight)
+        codes = self.codes.index_select(0, input_ids)
+        q = codes.view(torch.int8) if self.bits == 8 else _unpack_nibbles(codes)
+        num, hidden = q.shape
+        blocks = q.view(num, hidden // BLOCK, BLOCK).float() * self.scales.index_select(
+            0, input_ids
+        ).unsqueeze(-1)
+        if self.mins is not None:
+            blocks = blocks + self.mins.index_select(0, input_ids).unsqueeze(-1)
+        return blocks.view(num, hidden).to(self._dtype)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15) -> [N, K / 2] bytes, code 2i in the low half of byte i."""
+    pairs = q.to(torch.uint8).view(q.shape[0], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def _unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    return torch.stack((codes & 15, codes >> 4), dim=-1).view(codes.shape[0], -1).to(torch.int8)

@@ -1,0 +1,146 @@
+"""Weights kept quantized: one form for every block format, and how a projection computes from it.
+
+A quantized [N, K] weight is `scales * q + mins` per block of 32 inputs (BlockQuantized): GGUF's
+Q8_0 (mins none), Q4_0 (mins = -8 scales), Q4_1 and Q4_K's sub-blocks all read into it without
+loss (model/gguf_weights.py), and `--quantization int8|int4` quantizes a float checkpoint into it
+at load. Split and fused projections slice and join it by whole rows (and by whole blocks of
+columns) before it is packed, so tensor parallelism and fused q/k/v work as with float weights.
+
+On a CPU with the integer kernel (kernels/csrc/quant_linear_cpu.cpp) a projection streams the
+packed blocks and never holds a float copy; elsewhere (no compiler, CUDA) it is dequantized once
+to the model's dtype at load, so the same checkpoint runs everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+BLOCK = 32
+"""Inputs per block: each block of a row has its own scale (and min)."""
+
+QUANTIZATIONS = ("gguf", "int8", "int4", "none")
+"""--quantization: a GGUF's own block formats (the default for a GGUF), a float checkpoint
+quantized at load to 8 bits (symmetric) or 4 bits (with a min) per block of 32, or none
+(every weight dequantized to --dtype: the reference path)."""
+
+
+def packed_bits_per_weight(bits: int, has_mins: bool) -> float:
+    """Bytes x 8 per weight as the integer kernel holds them (kernels/csrc/quant_linear_cpu.cpp):
+    the codes, one float16 scale per block, and a float16 min per block where the mins are not a
+    whole multiple of the scales (Q4_0's -8 x scale folds into the codes, Q4_1's mins do not)."""
+    return bits + 16 / BLOCK * (2 if has_mins else 1)
+
+
+@dataclasses.dataclass
+class BlockQuantized:
+    """W[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32]."""
+
+    q: torch.Tensor
+    """int8 [N, K]: 0..15 for 4 bits, -128..127 for 8."""
+    scales: torch.Tensor
+    """float32 [N, K // 32]."""
+    mins: torch.Tensor | None
+    """float32 [N, K // 32], or None for none (symmetric formats)."""
+    bits: int
+    format: str
+    """Where it came from, for the start-up report: a GGUF type name (Q4_K) or int8/int4."""
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if k % BLOCK or self.scales.shape != (n, k // BLOCK):
+            raise ValueError(
+                f"quantized weight [{n}, {k}]: K must be a multiple of {BLOCK}, scales [N, K/{BLOCK}]"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [N, K] (float32 arithmetic, then `dtype`)."""
+        n, k = self.q.shape
+        blocks = self.q.view(n, k // BLOCK, BLOCK).float() * self.scales.unsqueeze(-1)
+        if self.mins is not None:
+            blocks = blocks + self.mins.unsqueeze(-1)
+        return blocks.view(n, k).to(dtype)
+
+    def rows(self, start: int, length: int) -> BlockQuantized:
+        """Output rows start .. start + length (a column-parallel rank's share)."""
+        return self._map(lambda t: t.narrow(0, start, length))
+
+    def columns(self, start: int, length: int) -> BlockQuantized:
+        """Inputs start .. start + length, whole blocks only (a row-parallel rank's share)."""
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(
+                f"a quantized weight splits by whole blocks of {BLOCK} inputs, not at {start}+{length}"
+            )
+        q = self.q.narrow(1, start, length)
+        scales = self.scales.narrow(1, start // BLOCK, length // BLOCK)
+        mins = None if self.mins is None else self.mins.narrow(1, start // BLOCK, length // BLOCK)
+        return BlockQuantized(
+            q.contiguous(),
+            scales.contiguous(),
+            mins if mins is None else mins.contiguous(),
+            self.bits,
+            self.format,
+        )
+
+    def permute_rows(self, order: torch.Tensor) -> BlockQuantized:
+        """Rows in `order` (llama.cpp's rotary row order undone)."""
+        return self._map(lambda t: t.index_select(0, order))
+
+    def to_bits(self, bits: int) -> BlockQuantized:
+        """The same weights in a wider form: 4-bit q (0..15) as 8-bit q - 8, the 8 folded into mins."""
+        if bits == self.bits:
+            return self
+        assert self.bits == 4 and bits == 8, "only 4 -> 8 bits widens without loss"
+        mins = (self.mins if self.mins is not None else torch.zeros_like(self.scales)).double()
+        return BlockQuantized(
+            self.q - 8, self.scales, (mins + 8 * self.scales.double()).float(), 8, self.format
+        )
+
+    def _map(self, fn) -> BlockQuantized:
+        mins = None if self.mins is None else fn(self.mins).contiguous()
+        return BlockQuantized(
+            fn(self.q).contiguous(), fn(self.scales).contiguous(), mins, self.bits, self.format
+        )
+
+
+def join_rows(parts: Sequence[BlockQuantized]) -> BlockQuantized:
+    """Parts stacked by output rows (q/k/v into qkv), widened to the widest part's bits."""
+    bits = max(part.bits for part in parts)
+    parts = [part.to_bits(bits) for part in parts]
+    if len(parts) == 1:
+        return parts[0]
+    any_mins = any(part.mins is not None for part in parts)
+    mins = (
+        torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
+        if any_mins
+        else None
+    )
+    formats = sorted({part.format for part in parts})
+    return BlockQuantized(
+        torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins, bits, "+".join(formats)
+    )
+
+
+def quantize(weight: torch.Tensor, bits: int) -> BlockQuantized:
+    """A float [N, K] weight, per block of 32: 8 bits symmetric (as GGUF's Q8_0), or 4 bits from
+    the block's min to its max (as Q4_1). Round to nearest."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if bits == 8:
+        scales = blocks.abs().amax(-1) / 127
+        inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+        q = torch.round(blocks * inverse.unsqueeze(-1)).clamp(-128, 127)
+        return BlockQuantized(q.to(torch.int8).view(n, k), scales, None, 8, "int8")
+    if bits != 4:
+        raise ValueError(f"quantize: 4 or 8 bits, not {bits}")
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    scales = (high - low) / 15
+    inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+    q = torch.round((blocks - low.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp(0, 15)
+    return BlockQuantized(q.to(torch.int8).view(n, k), scales, low, 4, "int4")

@@ -1,0 +1,140 @@
+"""A GGUF file's weights as they are stored: quantized blocks read into BlockQuantized, not dequantized.
+
+Q8_0, Q4_0, Q4_1 and Q4_K read without loss: each is `scale * code + min` per block of 32 (Q4_K's
+sub-blocks of 32 carry their own scale and min, from 6-bit factors of the super-block's). Other
+block formats (Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K and the IQ types) are dequantized by the `gguf`
+package and quantized again to 8 bits per block of 32: a rounding far below their own, in twice
+their bytes at most. F32, F16 and BF16 tensors (norms, sometimes embeddings) come as float32.
+
+The file is memory-mapped and read tensor by tensor, so no float copy of the model exists at any
+time, and nothing is written to disk. llama.cpp stores Llama's Q and K rows permuted for its
+rotary layout; that is undone here, by rows, on the codes as on floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from pagedllm.layers.quantization import BLOCK, BlockQuantized, quantize
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_convert import hf_tensor_name, unpermute_rotary_rows
+
+Weight = torch.Tensor | BlockQuantized
+
+
+def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
+    """(Hugging Face tensor name, weight) for every tensor of the file."""
+    reader = gguf.GGUFReader(str(gguf_path))
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # folded into config.json (rope_freq_factors)
+        name = hf_tensor_name(tensor.name)
+        weight = read_tensor(tensor)
+        if config.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            order = torch.from_numpy(unpermute_rotary_rows(np.arange(weight.shape[0]), heads))
+            weight = weight.permute_rows(order) if isinstance(weight, BlockQuantized) else weight[order]
+        yield name, weight
+
+
+def read_tensor(tensor: Any) -> Weight:
+    """One GGUF tensor: BlockQuantized for a quantized matrix, else float32 [rows, columns]."""
+    kind = gguf.GGMLQuantizationType
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    qtype = tensor.tensor_type
+    if qtype in (kind.F32, kind.F16, kind.BF16) or len(shape) != 2:
+        array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
+        return torch.from_numpy(np.array(array, dtype=np.float32))
+    rows, columns = shape
+    blocks = np.asarray(tensor.data).reshape(rows, -1)
+    reader = _READERS.get(qtype)  # type: ignore[call-overload]
+    if reader is not None:
+        return reader(blocks, rows, columns)
+    array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
+    widened = quantize(torch.from_numpy(np.asarray(array, dtype=np.float32)), 8)
+    return BlockQuantized(widened.q, widened.scales, None, 8, f"{qtype.name} as 8-bit")
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 fields (the last axis: 2 bytes) as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 codes: the low halves first, then the high halves (Q4_0's, Q4_1's order)."""
+    return np.concatenate([raw & 0x0F, raw >> 4], axis=-1)
+
+
+def _block_quantized(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray | None,
+    bits: int,
+    name: str,
+    rows: int,
+    columns: int,
+) -> BlockQuantized:
+    return BlockQuantized(
+        torch.from_numpy(codes.astype(np.int8).reshape(rows, columns)),
+        torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, columns // BLOCK)),
+        None
+        if mins is None
+        else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, -1)),
+        bits,
+        name,
+    )
+
+
+def _q8_0(blocks: np.ndarray, rows: int, columns: int) -> BlockQuantized:
+    b = blocks.reshape(rows, columns // 32, 34)
+    return _block_quantized(b[..., 2:].view(np.int8), _f16(b[..., :2]), None, 8, "Q8_0", rows, columns)
+
+
+def _q4_0(blocks: np.ndarray, rows: int, columns: int) -> BlockQuantized:
+    b = blocks.reshape(rows, columns // 32, 18)
+    d = _f16(b[..., :2])
+    return _block_quantized(_nibbles(b[..., 2:]), d, -8 * d, 4, "Q4_0", rows, columns)
+
+
+def _q4_1(blocks: np.ndarray, rows: int, columns: int) -> BlockQuantized:
+    b = blocks.reshape(rows, columns // 32, 20)
+    return _block_quantized(
+        _nibbles(b[..., 4:]), _f16(b[..., :2]), _f16(b[..., 2:4]), 4, "Q4_1", rows, columns
+    )
+
+
+def _q4_k(blocks: np.ndarray, rows: int, columns: int) -> BlockQuantized:
+    """Super-blocks of 256: d, dmin (float16), 12 bytes of 6-bit factors, 128 bytes of codes, in 4
+    runs of 32 bytes whose low halves are one sub-block of 32 and high halves the next."""
+    b = blocks.reshape(-1, 144)
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    factors, minimums = _k_scale_min(b[:, 4:16])
+    runs = b[:, 16:].reshape(-1, 4, 1, 32)
+    codes = np.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(-1, 8, 32)
+    scales = d * factors.astype(np.float32)
+    mins = -(dmin * minimums.astype(np.float32))
+    return _block_quantized(codes, scales, mins, 4, "Q4_K", rows, columns)
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 sub-blocks' 6-bit scale and min factors from a K-quant's 12 bytes (llama.cpp's
+    get_scale_min_k4): bytes 0-3 scales' low 6 bits, 4-7 mins', 8-11 both's low 4 bits beside the
+    top 2 of bytes 0-7."""
+    d, m, low = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    factors = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    minimums = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return factors, minimums
+
+
+_READERS = {
+    gguf.GGMLQuantizationType.Q8_0: _q8_0,
+    gguf.GGMLQuantizationType.Q4_0: _q4_0,
+    gguf.GGMLQuantizationType.Q4_1: _q4_1,
+    gguf.GGMLQuantizationType.Q4_K: _q4_k,
+}

@@ -1,0 +1,139 @@
+"""Weights kept quantized: GGUF blocks read without loss, the block form's algebra, --quantization's
+rules, and models served from quantized weights against the same weights dequantized."""
+
+from __future__ import annotations
+
+import types
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.quantization import BlockQuantized, join_rows, quantize
+from pagedllm.model.gguf_weights import read_tensor
+from pagedllm.model.loader import check_quantization, default_model_path
+from pagedllm.planner import gguf_weights_by_format
+
+from .helpers import TEST_ENGINE_ARGS, save_tiny_model
+
+KIND = gguf.GGMLQuantizationType
+
+
+def _gguf_tensor(raw: np.ndarray, qtype, rows: int, columns: int):
+    """What GGUFReader yields for one tensor: raw blocks, the type, the shape in GGUF's order."""
+    return types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(columns, rows))
+
+
+def _random_blocks(qtype, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in `qtype`'s block layout, its float16 fields set to finite values."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * columns // block_size, type_size), dtype=np.uint8)
+    halves = {KIND.Q8_0: 1, KIND.Q4_0: 1, KIND.Q4_1: 2, KIND.Q4_K: 2}[qtype]
+    fields = rng.uniform(-0.05, 0.05, size=(raw.shape[0], halves)).astype(np.float16)
+    raw[:, : 2 * halves] = fields.view(np.uint8).reshape(raw.shape[0], -1)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [KIND.Q8_0, KIND.Q4_0, KIND.Q4_1, KIND.Q4_K])
+def test_gguf_blocks_read_without_loss(qtype):
+    rows, columns = 48, 512
+    raw = _random_blocks(qtype, rows, columns)
+    ours = read_tensor(_gguf_tensor(raw, qtype, rows, columns))
+    assert isinstance(ours, BlockQuantized) and ours.format == qtype.name
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, columns))
+    assert torch.equal(ours.dequantize(), theirs)
+
+
+def test_other_block_formats_are_widened_to_8_bits():
+    rows, columns = 32, 256
+    weight = np.random.default_rng(1).normal(0, 0.02, size=(rows, columns)).astype(np.float32)
+    raw = gguf.quants.quantize(weight, KIND.Q5_0)
+    ours = read_tensor(_gguf_tensor(raw, KIND.Q5_0, rows, columns))
+    assert ours.bits == 8 and ours.format == "Q5_0 as 8-bit"
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, KIND.Q5_0).reshape(rows, columns))
+    step = ours.scales.repeat_interleave(32, dim=1)  # one 8-bit step per block
+    assert ((ours.dequantize() - theirs).abs() <= step / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_rounds_to_the_nearest_step(bits):
+    weight = torch.randn(64, 256) * 0.05
+    quantized = quantize(weight, bits)
+    step = quantized.scales.repeat_interleave(32, dim=1)
+    assert ((quantized.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+    assert int(quantized.q.min()) >= (0 if bits == 4 else -128) and int(quantized.q.max()) <= (
+        15 if bits == 4 else 127
+    )
+
+
+def test_slices_and_joins_keep_the_weights():
+    weight = torch.randn(96, 128)
+    q4, q8 = quantize(weight[:32], 4), quantize(weight[32:], 8)
+    joined = join_rows([q4, q8])  # 4 bits widened to 8 without loss
+    assert joined.bits == 8 and joined.format == "int4+int8"
+    assert torch.allclose(joined.dequantize(), torch.cat([q4.dequantize(), q8.dequantize()]), atol=1e-7)
+    assert torch.equal(q8.rows(8, 16).dequantize(), q8.dequantize()[8:24])
+    assert torch.equal(q8.columns(32, 64).dequantize(), q8.dequantize()[:, 32:96])
+    with pytest.raises(ValueError, match="whole blocks"):
+        q8.columns(16, 32)
+    order = torch.randperm(64)
+    assert torch.equal(q8.permute_rows(order).dequantize(), q8.dequantize()[order])
+
+
+def test_quantization_flag_refuses_what_cannot_apply():
+    with pytest.raises(ValueError, match=r"not a \.gguf"):
+        check_quantization("gguf", is_gguf=False)
+    with pytest.raises(ValueError, match="quantized already"):
+        check_quantization("int4", is_gguf=True)
+    check_quantization(None, is_gguf=True)
+    check_quantization("none", is_gguf=True)
+
+
+def test_default_gguf_served_quantized_agrees_with_its_dequantized_run(llm, caplog):
+    """The default model's own Q4_1/Q8_0 blocks against the same weights dequantized (the
+    reference run, `llm`): the tokens each run picks, scored by the other, stay close."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    with caplog.at_level("INFO"):
+        quantized = LLM(**{**TEST_ENGINE_ARGS, "quantization": None})
+    assert "Q4_1" in caplog.text  # the start-up line says how the weights are held
+    outputs = quantized.generate(prompts, params, use_tqdm=False)
+    agree = total = 0
+    for ours, theirs in zip(outputs, reference, strict=True):
+        a, b = ours.outputs[0].token_ids, theirs.outputs[0].token_ids
+        first_difference = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        agree += first_difference
+        total += len(a)
+    assert agree / total >= 0.5, f"greedy runs agree on {agree} of {total} leading tokens"
+
+    # `pagedllm plan` counts the same bytes from the file's tensor directory alone
+    planned = gguf_weights_by_format(default_model_path(), TEST_ENGINE_ARGS["dtype"])
+    held = quantized.llm_engine.worker.weights_bytes_by_format()
+    assert planned.keys() == held.keys()
+    for name, size in held.items():
+        assert abs(planned[name] - size) <= 0.01 * size + 4096, (name, planned[name], size)
+
+
+def _prompt_logprobs(folder, quantization: str | None) -> tuple[torch.Tensor, dict[str, int]]:
+    """The logprob of each prompt token after the first, and the weight bytes by format."""
+    engine = LLM(str(folder), **{**TEST_ENGINE_ARGS, "max_model_len": 512, "quantization": quantization})
+    ids = list(range(100, 160))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    out = engine.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    logprobs = torch.tensor([out.prompt_logprobs[i][token].logprob for i, token in enumerate(ids) if i])
+    return logprobs, engine.llm_engine.worker.weights_bytes_by_format()
+
+
+@pytest.mark.parametrize(("quantization", "tolerance"), [("int8", 1.0), ("int4", 5.0)])
+def test_float_checkpoint_quantized_at_load_stays_near_it(quantization, tolerance, tmp_path):
+    save_tiny_model("qwen2-bias", tmp_path)
+    reference, float_formats = _prompt_logprobs(tmp_path, "none")
+    ours, formats = _prompt_logprobs(tmp_path, quantization)
+    assert quantization in formats and quantization not in float_formats
+    difference = (ours - reference).abs()
+    print(quantization, float(difference.max()), float(difference.mean()))
+    assert float(difference.mean()) < tolerance
