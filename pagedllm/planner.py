@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
@@ -88,17 +89,17 @@ def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
     directory alone (the file is memory-mapped, no weight is read): quantized matrices as the
     integer kernel packs them, the quantized embedding's compact table (codes, float32 scales and
     mins) plus its packed copy for a tied LM head, float tensors in `dtype`."""
-    import gguf
+    from pagedllm.model.gguf_weights import read_tensor_directory
 
-    reader = gguf.GGUFReader(str(path))
-    names = {tensor.name for tensor in reader.tensors}
+    tensors = read_tensor_directory(path)
+    names = {tensor.name for tensor in tensors}
     by_format: dict[str, int] = {}
 
     def add(name: str, size: float) -> None:
         by_format[name] = by_format.get(name, 0) + int(size)
 
-    for tensor in reader.tensors:
-        kind, count = tensor.tensor_type.name, int(tensor.n_elements)
+    for tensor in tensors:
+        kind, count = tensor.tensor_type.name, int(np.prod(tensor.shape))
         if kind in ("F32", "F16", "BF16") or len(tensor.shape) != 2:
             if tensor.name != "rope_freqs.weight":
                 add(dtype, count * _DTYPE_BYTES[dtype])
