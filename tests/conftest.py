@@ -3,15 +3,17 @@ and what keeps test servers from outliving the test process."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.loader import default_model_path, resolve_model_folder
 
 from .helpers import TEST_ENGINE_ARGS
 
@@ -69,3 +71,25 @@ def reference() -> Reference:
 def llm() -> LLM:
     """A float32 engine shared by tests that do not need special settings."""
     return LLM(**TEST_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def default_hf_folder(tmp_path_factory) -> Path:
+    """The default model as a plain Hugging Face folder: its GGUF's weights dequantized to float32
+    (model.safetensors), config.json and the tokenizer (what a hub repo of it would hold)."""
+    from safetensors.torch import save_file
+
+    from pagedllm.layers.quantization import BlockQuantized
+    from pagedllm.model.config import ModelConfig
+    from pagedllm.model.gguf_convert import GGUF_SOURCE
+    from pagedllm.model.gguf_weights import iter_gguf_weights
+
+    folder = tmp_path_factory.mktemp("default-hf")
+    converted = resolve_model_folder(None)
+    for file in converted.iterdir():
+        if file.name != GGUF_SOURCE:
+            shutil.copy(file, folder / file.name)
+    weights = iter_gguf_weights(default_model_path(), ModelConfig.from_folder(converted))
+    tensors = {name: w.dequantize() if isinstance(w, BlockQuantized) else w for name, w in weights}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -57,12 +57,12 @@ def network_calls(monkeypatch) -> list[tuple]:
 
 
 @pytest.fixture
-def hub_cache(tmp_path, monkeypatch, network_calls) -> Path:
+def hub_cache(tmp_path, monkeypatch, network_calls, default_hf_folder) -> Path:
     """A hub cache holding REPO at main and at tag v1 (the default model's converted files), with
     HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointing at it. huggingface_hub reads both at import, so its
     `constants` are patched too."""
     cache = tmp_path / "hub"
-    write_repo(cache, REPO, sorted(resolve_model_folder(None).iterdir()), {"main": MAIN, "v1": V1})
+    write_repo(cache, REPO, sorted(default_hf_folder.iterdir()), {"main": MAIN, "v1": V1})
     for name, value in (("HF_HUB_OFFLINE", True), ("HF_HUB_CACHE", str(cache))):
         monkeypatch.setenv(name, "1" if value is True else value)
         monkeypatch.setattr(constants, name, value)
