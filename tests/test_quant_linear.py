@@ -85,8 +85,9 @@ def run(x, q, scales, mins, bits, bias=None):
 def test_quant_linear_equals_the_emulated_arithmetic(bits, mins_kind, dtype, n, k):
     """float32: within 4 float32 roundings of its terms' magnitudes (the kernel's sums of float32
     products, in its order, against exact ones); bfloat16 x: that, then one bfloat16 rounding.
-    7 panels of 16 (no group of 2 or 3 panels divides them), a panel cut short (100), 1 to 64
-    rows (the few-rows tiles and the others, tiles cut short), K up to 8,192; bias on odd M."""
+    Groups of 64 columns cut short (112, 100: a panel of 16 cut short too, 48), 1 to 64 rows (the
+    few-rows tiles and the others, tiles cut short, K taken a run of blocks at a time), K up to
+    8,192; bias on odd M."""
     gen = torch.Generator().manual_seed(bits * 1000 + n + k)
     q, scales, mins = make_weight(bits, n, k, mins_kind, gen)
     packed = cpu_ops.pack_quant_linear(q, scales, mins, bits)
@@ -131,10 +132,10 @@ def test_quant_linear_is_the_dequantized_product_with_int8_activations(bits, min
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_linear_gives_a_row_the_same_bits_whatever_shares_the_call(bits, mins_kind, dtype):
     """Each row is quantized on its own and its outputs summed in one order: a row alone (the
-    few-rows tiles) equals the same row among 37 (the others), under 1 thread or all, from a
-    contiguous row or a strided view."""
+    few-rows tiles, K in one run) equals the same row among 37 (the others, K in runs of blocks),
+    under 1 thread or all, from a contiguous row or a strided view."""
     gen = torch.Generator().manual_seed(37 + bits)
-    n, k = 100, 512
+    n, k = 100, 2048
     q, scales, mins = make_weight(bits, n, k, mins_kind, gen)
     packed = cpu_ops.pack_quant_linear(q, scales, mins, bits)
     x = torch.randn(38, k, generator=gen).to(dtype)

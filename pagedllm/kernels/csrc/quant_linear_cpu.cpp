@@ -13,17 +13,19 @@
 // Each output is its own row's sum over the blocks in order, whatever rows share the call; then
 // the bias, and for bfloat16 x one rounding.
 //
-// Layout (pack_quant_linear): a 64-byte header (PackedHeader), then panels of 16 output columns
-// (N padded to a multiple of 16 with zero weights), each panel two streams:
+// Layout (pack_quant_linear): a 64-byte header (PackedHeader), then groups of 4 panels of 16
+// output columns (N padded to a multiple of 64 with zero weights), each group one stream of
+// 32-blocks, so that a thread reads its groups front to back:
 //
-//   weights, per 32-block: 8-bit: 8 steps of 64 bytes, step s = [column 0: k 4s..4s+3 | column 1 | ...]
-//                          (bytes q + 128); 4-bit: 4 groups of 64 bytes, group g's low nibbles
-//                          are step g, its high nibbles step g + 4
-//   params, per 32-block:  16 float16 scales, then (where not folded) 16 float16 mins
+//   block b of a group:  8-bit: 8 steps s, each [panel 0 | panel 1 | panel 2 | panel 3] of 64 bytes,
+//                               a panel's = [column 0: k 4s..4s+3 | column 1: the same | ...] (q + 128)
+//                        4-bit: 4 nibble groups g laid out the same: low nibbles step g, high g + 4
+//                        then the 64 columns' float16 scales, then (where not folded) their mins
 //
 // so a 64-byte load feeds one vpdpbusd per activation row for 16 columns and 4 k (the row's 4
 // quants broadcast), one column per lane, no sums across lanes. Bytes per weight: 4-bit 4.5 (5
-// with mins), 8-bit 8.5 (9). float16 keeps GGUF's Q4_0/Q4_1/Q8_0 scales and mins exactly (they
+// with mins), 8-bit 8.5 (9). (Panels each a stream of their own read more slowly: 1-row 4-bit
+// products took ~30% longer on Zen 5.) float16 keeps GGUF's Q4_0/Q4_1/Q8_0 scales and mins exactly (they
 // are float16 there); others (Q4_K's d * sc) are rounded to the nearest float16: a relative error
 // of 2^-11 at most (2^-25 absolute below float16's normal range, 6.1e-5), far below the 4 bits'.
 //
@@ -43,6 +45,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -53,7 +56,7 @@ using pagedllm_cpu::FloatVec16;
 using QuadVec = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, pagedllm_cpu::ByteQuadVec16, pagedllm_cpu::ByteQuadVec8>;
 using QuantFloat = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, FloatVec16, pagedllm_cpu::FloatVec8>;
 constexpr bool kHasQuant = pagedllm_cpu::kHasAvx2;
-constexpr int64_t kBlock = 32, kPanelCols = 16, kHeaderBytes = 64;
+constexpr int64_t kBlock = 32, kPanelCols = 16, kGroupPanels = 4, kGroupCols = 64, kHeaderBytes = 64;
 
 struct PackedHeader {
   char magic[8];
@@ -63,12 +66,13 @@ struct PackedHeader {
 };
 constexpr char kMagic[8] = "pqlin01";
 
-int64_t weight_bytes(int64_t bits) { return bits * 64; }  // per panel and 32-block
-int64_t param_bytes(bool has_mins) { return has_mins ? 64 : 32; }
-int64_t panel_bytes(int64_t bits, int64_t k, bool has_mins) {
-  return (k / kBlock * (weight_bytes(bits) + param_bytes(has_mins)) + 63) / 64 * 64;
+// Bytes of a group's 32-block: weights, then params (all multiples of 64).
+int64_t weight_bytes(int64_t bits) { return kGroupPanels * bits * 64; }
+int64_t param_bytes(bool has_mins) { return kGroupCols * 2 * (has_mins ? 2 : 1); }
+int64_t group_bytes(int64_t bits, int64_t k, bool has_mins) {
+  return k / kBlock * (weight_bytes(bits) + param_bytes(has_mins));
 }
-int64_t num_panels(int64_t n) { return (n + kPanelCols - 1) / kPanelCols; }
+int64_t num_groups(int64_t n) { return (n + kGroupCols - 1) / kGroupCols; }
 
 bool available() { return kHasQuant; }
 
@@ -113,30 +117,29 @@ at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, cons
     has_mins = !z.has_value();
     zero_point = z.value_or(0);
   }
-  const int64_t panels = num_panels(n), padded = panels * kPanelCols;
+  const int64_t groups = num_groups(n), padded = groups * kGroupCols;
   const at::Tensor qp = at::constant_pad_nd(q, {0, 0, 0, padded - n});
   at::Tensor w;
-  if (bits == 8) {  // [panels, 16 columns, blocks, 8 steps, 4] -> [panels, blocks, steps, columns, 4]
+  if (bits == 8) {  // [groups, panels, columns, blocks, 8 steps, 4] -> [groups, blocks, steps, panels, columns, 4]
     const at::Tensor u = (qp.to(at::kShort) + 128).to(at::kByte);
-    w = u.view({panels, kPanelCols, blocks, 8, 4}).permute({0, 2, 3, 1, 4});
+    w = u.view({groups, kGroupPanels, kPanelCols, blocks, 8, 4}).permute({0, 3, 4, 1, 2, 5});
   } else {  // k 0..15 of a block in the low nibbles, 16..31 in the high ones
-    const at::Tensor halves = qp.to(at::kByte).view({panels, kPanelCols, blocks, 2, 4, 4});
-    w = halves.select(3, 0).bitwise_or(halves.select(3, 1).bitwise_left_shift(4)).permute({0, 2, 3, 1, 4});
+    const at::Tensor halves = qp.to(at::kByte).view({groups, kGroupPanels, kPanelCols, blocks, 2, 4, 4});
+    const at::Tensor bytes = halves.select(4, 0).bitwise_or(halves.select(4, 1).bitwise_left_shift(4));
+    w = bytes.permute({0, 3, 4, 1, 2, 5});
   }
-  w = w.reshape({panels, blocks * weight_bytes(bits)});
-  auto params_of = [&](const at::Tensor& t, const char* name) {  // [N, blocks] -> [panels, blocks, 16] float16
-    return at::constant_pad_nd(as_float16(t, name), {0, 0, 0, padded - n}).view({panels, kPanelCols, blocks}).permute({0, 2, 1});
+  w = w.reshape({groups, blocks, weight_bytes(bits)});
+  auto params_of = [&](const at::Tensor& t, const char* name) {  // [N, blocks] -> [groups, blocks, 64] float16
+    return at::constant_pad_nd(as_float16(t, name), {0, 0, 0, padded - n}).view({groups, kGroupCols, blocks}).permute({0, 2, 1});
   };
   at::Tensor params = params_of(scales, "scales");
   if (has_mins) params = at::cat({params, params_of(*mins, "mins")}, 2);
-  params = params.contiguous().view(at::kByte).view({panels, blocks * param_bytes(has_mins)});
-  const int64_t pad = panel_bytes(bits, k, has_mins) - w.size(1) - params.size(1);
+  params = params.contiguous().view(at::kByte);
   at::Tensor header = at::zeros({kHeaderBytes}, q.options().dtype(at::kByte));
   const PackedHeader h{{}, bits, n, k, zero_point, has_mins ? 1 : 0};
   std::memcpy(header.data_ptr(), &h, sizeof(h));
   std::memcpy(header.data_ptr(), kMagic, sizeof(kMagic));
-  const at::Tensor padding = at::zeros({panels, pad}, header.options());
-  return at::cat({header, at::cat({w, params, padding}, 1).flatten()});
+  return at::cat({header, at::cat({w, params}, 2).flatten()});
 }
 
 // Each row of x quantized per 32-block: quants [K] int8, dx [blocks], dx * sum(quants) [blocks]
@@ -187,18 +190,24 @@ QuantRows quantize_rows(const at::Tensor& x, int32_t offset) {
   return r;
 }
 
-// One call's rows and panels: quants [M][K] (stride x_stride), per-block values [M][blocks]
-// (stride blocks), panels (stride panel_stride) from the tile's first, bias (float32, padded to
-// whole panels) and out [M][N] (stride out_stride) at the tile's first column; cols: the columns
-// from there on that are inside N.
+// One tile's rows, columns and blocks (a run of `blocks` from the first one the pointers are at):
+// quants [M][K] (stride x_stride), per-block values [M][...] (stride row_blocks), its group
+// (blocks of block_stride bytes) and first panel there, bias (float32, padded to whole groups)
+// and out [M][N] (stride out_stride) at the tile's first column; cols: the columns from there on
+// that are inside N. Where the blocks are not all of K, the sums carry over in sums [M][64] at
+// the tile's first column: read unless the run is K's first, written unless it is K's last.
 struct TileArgs {
   const int8_t* quants;
   int64_t x_stride;
   const float* dx;
   const float* dx_sums;
   const int32_t* starts;
-  const uint8_t* panels;
-  int64_t panel_stride, blocks;
+  int64_t row_blocks;
+  const uint8_t* group;
+  int64_t first_panel, block_stride, blocks;
+  float* sums;
+  bool resumes, finishes;
+  int64_t prefetch;  // bytes ahead to prefetch the weights from, or 0
   const float* bias;
   void* out;
   bool out_bf16;
@@ -230,22 +239,21 @@ void store_row(const TileArgs& a, int64_t at, FVec r, int64_t n) {
 // vectors, then M x V float multiply-adds.
 template <typename Quads, typename FVec, int Bits, bool HasMins, int M, int P>
 void tile(const TileArgs& a) {
-  constexpr int64_t L = Quads::kLanes, V = P * kPanelCols / L, kWeightBytes = Bits * 64;
-  constexpr int64_t kParamHalves = HasMins ? 32 : 16;
-  const uint8_t* w[V];
+  constexpr int64_t L = Quads::kLanes, V = P * kPanelCols / L, kStepBytes = kGroupPanels * 64;
+  const uint8_t* w[V];  // vector v's 64-byte-step slices, steps kStepBytes apart
   const c10::Half* params[V];
   for (int64_t v = 0; v < V; ++v) {
-    const int64_t panel = v * L / kPanelCols, lane = v * L % kPanelCols;
-    w[v] = a.panels + panel * a.panel_stride + lane * 4;
-    params[v] = reinterpret_cast<const c10::Half*>(a.panels + panel * a.panel_stride + a.blocks * kWeightBytes) + lane;
+    const int64_t col = a.first_panel * kPanelCols + v * L;  // in the group
+    w[v] = a.group + col / kPanelCols * 64 + col % kPanelCols * 4;
+    params[v] = reinterpret_cast<const c10::Half*>(a.group + kGroupPanels * Bits * 64) + col;
   }
   FVec acc[M][V];
   for (int m = 0; m < M; ++m)
-    for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::zero();
+    for (int64_t v = 0; v < V; ++v) acc[m][v] = a.resumes ? FVec::load(a.sums + m * kGroupCols + v * L) : FVec::zero();
   for (int64_t b = 0; b < a.blocks; ++b) {
     Quads sums[M][V];
     for (int m = 0; m < M; ++m) {
-      const Quads start = Quads::broadcast(a.starts[m * a.blocks + b]);
+      const Quads start = Quads::broadcast(a.starts[m * a.row_blocks + b]);
       for (int64_t v = 0; v < V; ++v) sums[m][v] = start;
     }
     const int8_t* x = a.quants + b * kBlock;
@@ -257,9 +265,13 @@ void tile(const TileArgs& a) {
       }
     };
 #pragma GCC unroll 8
-    for (int64_t g = 0; g < kWeightBytes / 64; ++g) {
+    for (int64_t g = 0; g < Bits; ++g) {  // 8-bit: 8 steps; 4-bit: 4 loads, 2 steps each
       Quads loaded[V];
-      for (int64_t v = 0; v < V; ++v) loaded[v] = Quads::load(w[v] + b * kWeightBytes + g * 64);
+      for (int64_t v = 0; v < V; ++v) {
+        const uint8_t* at = w[v] + b * a.block_stride + g * kStepBytes;
+        if (a.prefetch != 0) __builtin_prefetch(at + a.prefetch, 0, 2);  // into L2
+        loaded[v] = Quads::load(at);
+      }
       if constexpr (Bits == 8) {
         step(loaded, 4 * g);
       } else {
@@ -271,19 +283,24 @@ void tile(const TileArgs& a) {
       }
     }
     FVec scales[V];
-    for (int64_t v = 0; v < V; ++v) scales[v] = FVec::load(params[v] + b * kParamHalves);
+    for (int64_t v = 0; v < V; ++v) scales[v] = FVec::load(params[v] + b * a.block_stride / 2);
     for (int m = 0; m < M; ++m) {
-      const FVec dx = FVec::broadcast(a.dx[m * a.blocks + b]);
+      const FVec dx = FVec::broadcast(a.dx[m * a.row_blocks + b]);
       for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(sums[m][v].to_float(), FVec::mul(scales[v], dx), acc[m][v]);
     }
     if constexpr (HasMins) {
       FVec mins[V];
-      for (int64_t v = 0; v < V; ++v) mins[v] = FVec::load(params[v] + b * kParamHalves + 16);
+      for (int64_t v = 0; v < V; ++v) mins[v] = FVec::load(params[v] + b * a.block_stride / 2 + kGroupCols);
       for (int m = 0; m < M; ++m) {
-        const FVec dx_sum = FVec::broadcast(a.dx_sums[m * a.blocks + b]);
+        const FVec dx_sum = FVec::broadcast(a.dx_sums[m * a.row_blocks + b]);
         for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(mins[v], dx_sum, acc[m][v]);
       }
     }
+  }
+  if (!a.finishes) {
+    for (int m = 0; m < M; ++m)
+      for (int64_t v = 0; v < V; ++v) acc[m][v].store(a.sums + m * kGroupCols + v * L);
+    return;
   }
   for (int64_t v = 0; v < V && v * L < a.cols; ++v) {
     const FVec bias = a.bias == nullptr ? FVec::zero() : FVec::load(a.bias + v * L);
@@ -291,15 +308,16 @@ void tile(const TileArgs& a) {
   }
 }
 
-// The tiles' shapes, rows x panels: up to kFewRows rows (a decode step) kFewTileRows x kWide,
-// more kTileRows x kNarrow. The integer and float sums (2 M V registers) and a step's weights
-// must fit in the registers: 32 with AVX-512, 16 with AVX2. Measured on Zen 5 (AVX-512): 1-8
-// rows stream the weights fastest 3 panels at a time (more in flight); from there on 6 x 2 and
-// 4 x 3 tiles are alike, bound by the vector pipes that take both vpdpbusd and the float work.
+// The tiles' shapes, rows x panels (P divides a group's 4): up to kFewRows rows (a decode step)
+// kFewTileRows x kWide, more kTileRows x kNarrow. The integer and float sums (2 M V registers)
+// and a step's weights must fit in the registers: 32 with AVX-512, 16 with AVX2. Measured on
+// Zen 5 (AVX-512): a decode step streams fastest a whole group at a time; from ~16 rows on, the
+// tiles are bound by the vector pipes that take both vpdpbusd and the float work (6 x 2 and
+// 4 x 3 alike).
 template <typename Quads, typename FVec, int Bits, bool HasMins>
 struct Tiles {
   static constexpr bool kWideRegs = Quads::kLanes == 16;
-  static constexpr int64_t kFewRows = kWideRegs ? 8 : 2, kFewTileRows = kWideRegs ? 3 : 1, kWide = kWideRegs ? 3 : 2;
+  static constexpr int64_t kFewRows = kWideRegs ? 8 : 2, kFewTileRows = kWideRegs ? 2 : 1, kWide = kWideRegs ? 4 : 2;
   static constexpr int64_t kTileRows = kWideRegs ? 6 : 2, kNarrow = kWideRegs ? 2 : 1;
   template <int M, int P>
   static void run(const TileArgs& a) {
@@ -316,43 +334,49 @@ void tile_rows(int64_t m, const TileArgs& a) {
   T::template run<M, P>(a);
 }
 
-// The tiles of rows [r, r + m) over panels [first, first + count): P panels at a time, then 1.
-template <typename T, int M, int P, typename ArgsAt>
-void run_group(int64_t m, int64_t count, const ArgsAt& args_at) {
-  int64_t done = 0;
-  for (; done + P <= count; done += P) tile_rows<T, P, M>(m, args_at(done));
-  for (; done < count; ++done) tile_rows<T, 1, M>(m, args_at(done));
-}
-
-// Threads take groups of panels, each running its row tiles over the group's panels (later
-// tiles read them from cache); with fewer groups than about 4 per thread, blocks of rows too.
+// Threads take groups, each running its row tiles over the group. Where there are a few (2-6),
+// they take a run of blocks (~32 KiB) at a time: the first tile streams it from memory, the
+// others read it from cache and prefetch the next run meanwhile (a decode step of 4-32 rows:
+// 8-bit ~1.2-1.3x faster on Zen 5; with more tiles, runs were slower). With fewer groups than
+// about 4 per thread, blocks of rows too.
 template <typename T>
-void run_panels(const QuantRows& xq, const at::Tensor& packed, int64_t panel_stride, const float* bias, at::Tensor& out) {
-  const int64_t rows = out.size(0), n = out.size(1), panels = num_panels(n), blocks = xq.dx.size(1);
+void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.dx.size(1);
+  const int64_t block_stride = group_stride / blocks;
   const bool few = rows <= T::kFewRows;
-  const int64_t tile_height = few ? T::kFewTileRows : T::kTileRows;
-  const int64_t per_group = few ? T::kWide : T::kNarrow, num_groups = (panels + per_group - 1) / per_group;
+  const int64_t tile_height = few ? T::kFewTileRows : T::kTileRows, tile_panels = few ? T::kWide : T::kNarrow;
   const int64_t row_tiles = (rows + tile_height - 1) / tile_height, wanted_tasks = 4 * at::get_num_threads();
-  const int64_t split = num_groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + num_groups - 1) / num_groups);
+  const int64_t split = groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + groups - 1) / groups);
   const int64_t block_rows = (row_tiles + split - 1) / split * tile_height, num_blocks = (rows + block_rows - 1) / block_rows;
-  const uint8_t* first_panel = packed.data_ptr<uint8_t>() + kHeaderBytes;
-  at::parallel_for(0, num_groups * num_blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tiles_per_task = (block_rows + tile_height - 1) / tile_height;
+  const bool in_runs = tiles_per_task > 1 && tiles_per_task <= 6;
+  const int64_t run_blocks = in_runs ? std::max<int64_t>(1, 32768 / block_stride) : blocks;
+  const int64_t next_run = run_blocks * block_stride;
+  const uint8_t* first_group = packed.data_ptr<uint8_t>() + kHeaderBytes;
+  at::parallel_for(0, groups * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(run_blocks < blocks ? block_rows * kGroupCols : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task % num_groups, row_block = task / num_groups;
-      const int64_t first = g * per_group, count = std::min(per_group, panels - first);
-      const int64_t block_end = std::min(rows, (row_block + 1) * block_rows);
-      for (int64_t r = row_block * block_rows; r < block_end; r += tile_height) {
-        const int64_t m = std::min(tile_height, block_end - r);
-        auto args_at = [&](int64_t done) {
-          const int64_t panel = first + done, col = panel * kPanelCols;
-          return TileArgs{xq.quants.data_ptr<int8_t>() + r * xq.quants.size(1), xq.quants.size(1),
-                          xq.dx.data_ptr<float>() + r * blocks, xq.dx_sums.data_ptr<float>() + r * blocks,
-                          xq.starts.data_ptr<int32_t>() + r * blocks, first_panel + panel * panel_stride, panel_stride,
-                          blocks, bias == nullptr ? nullptr : bias + col, static_cast<char*>(out.data_ptr()) + (r * n + col) * out.element_size(),
-                          out.scalar_type() == at::kBFloat16, n, n - col};
-        };
-        if (few) run_group<T, T::kFewTileRows, T::kWide>(m, count, args_at);
-        else run_group<T, T::kTileRows, T::kNarrow>(m, count, args_at);
+      const int64_t g = task % groups, row_block = task / groups;
+      const int64_t row_begin = row_block * block_rows, row_end = std::min(rows, row_begin + block_rows);
+      for (int64_t b = 0; b < blocks; b += run_blocks) {
+        for (int64_t r = row_begin; r < row_end; r += tile_height) {
+          const int64_t m = std::min(tile_height, row_end - r);
+          for (int64_t panel = 0; panel < kGroupPanels; panel += tile_panels) {
+            const int64_t col = g * kGroupCols + panel * kPanelCols;
+            const TileArgs args{xq.quants.data_ptr<int8_t>() + r * xq.quants.size(1) + b * kBlock, xq.quants.size(1),
+                                xq.dx.data_ptr<float>() + r * blocks + b, xq.dx_sums.data_ptr<float>() + r * blocks + b,
+                                xq.starts.data_ptr<int32_t>() + r * blocks + b, blocks,
+                                first_group + g * group_stride + b * block_stride, panel, block_stride,
+                                std::min(run_blocks, blocks - b),
+                                sums.data() + (r - row_begin) * kGroupCols + panel * kPanelCols, b > 0,
+                                b + run_blocks >= blocks, r > row_begin && b + run_blocks < blocks ? next_run : 0,
+                                bias == nullptr ? nullptr : bias + col,
+                                static_cast<char*>(out.data_ptr()) + (r * n + col) * out.element_size(),
+                                out.scalar_type() == at::kBFloat16, n, n - col};
+            if (few) tile_rows<T, T::kWide, T::kFewTileRows>(m, args);
+            else tile_rows<T, T::kNarrow, T::kTileRows>(m, args);
+          }
+        }
       }
     }
   });
@@ -365,7 +389,7 @@ void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, c
   if constexpr (kHasQuant) {
     const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
     const QuantRows xq = quantize_rows<FVec>(x, offset);
-    run_panels<Tiles<Quads, FVec, Bits, HasMins>>(xq, packed, panel_bytes(Bits, h.k, HasMins), bias, out);
+    run_groups<Tiles<Quads, FVec, Bits, HasMins>>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, out);
   }
 }
 
@@ -382,13 +406,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   std::memcpy(&h, packed.data_ptr(), sizeof(h));
   TORCH_CHECK(h.bits == bits && h.n == n && h.k == k, "quant_linear: packed holds a ", h.bits, "-bit [", h.n, ", ", h.k,
               "] weight, called with bits=", bits, ", n=", n, ", k=", k);
-  TORCH_CHECK(packed.numel() == kHeaderBytes + num_panels(n) * panel_bytes(bits, k, h.has_mins != 0),
+  TORCH_CHECK(packed.numel() == kHeaderBytes + num_groups(n) * group_bytes(bits, k, h.has_mins != 0),
               "quant_linear: packed has the wrong size for its header");
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n,
                 "quant_linear: bias must be None or [N = ", n, "] of x's dtype, not ", bias->scalar_type(), " ", bias->sizes());
-    bias_f = at::constant_pad_nd(bias->to(at::kFloat), {0, num_panels(n) * kPanelCols - n}).contiguous();
+    bias_f = at::constant_pad_nd(bias->to(at::kFloat), {0, num_groups(n) * kGroupCols - n}).contiguous();
   }
   const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
