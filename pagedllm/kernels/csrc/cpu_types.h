@@ -332,6 +332,9 @@ struct Bf16PairVec;
 // dot_q8's sum depends on the instruction: kQ8Offset says by how much (VNNI sums u * s, offset
 // 128 included; AVX2's maddubs would saturate on that, so it takes llama.cpp's sign trick and
 // sums (u - 128) * s), for the caller to start from -kQ8Offset * sum(s).
+// A 32-block's nibble products (8 steps) are summed from nibble_start(start), and
+// nibble_sums(acc, start) is then start + their sum: VNNI adds in int32 throughout; AVX2 keeps
+// pairs in int16 (at most 8 x 2 x 15 x 127 = 30,480: no saturation) and widens them once.
 #if PAGEDLLM_CPU_VNNI >= 2
 struct ByteQuadVec16 {
   static constexpr int64_t kLanes = 16;
@@ -352,6 +355,8 @@ struct ByteQuadVec16 {
     return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)};
   }
   // acc + each lane's 4 products u * s (u = q + 128 for a signed weight byte q)
+  static ByteQuadVec16 nibble_start(ByteQuadVec16 start) { return start; }
+  static ByteQuadVec16 nibble_sums(ByteQuadVec16 acc, ByteQuadVec16) { return acc; }
   static ByteQuadVec16 dot_q8(ByteQuadVec16 acc, ByteQuadVec16 u, ByteQuadVec16 s) { return dot_nibbles(acc, u, s); }
   FloatVec16 to_float() const { return {_mm512_cvtepi32_ps(v)}; }
 };
@@ -374,15 +379,25 @@ struct ByteQuadVec8 {
   }
   ByteQuadVec8 low_nibbles() const { return {_mm256_and_si256(v, _mm256_set1_epi8(0x0F))}; }
   ByteQuadVec8 high_nibbles() const { return {_mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))}; }
+#if PAGEDLLM_CPU_VNNI >= 1
+  static ByteQuadVec8 nibble_start(ByteQuadVec8 start) { return start; }
   static ByteQuadVec8 dot_nibbles(ByteQuadVec8 acc, ByteQuadVec8 u, ByteQuadVec8 s) {
 #if PAGEDLLM_CPU_VNNI >= 2
     return {_mm256_dpbusd_epi32(acc.v, u.v, s.v)};
-#elif PAGEDLLM_CPU_VNNI >= 1
+#else
     return {_mm256_dpbusd_avx_epi32(acc.v, u.v, s.v)};
-#else  // pairs in int16 (at most 2 * 15 * 127: no saturation), then quads in int32
-    return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)))};
 #endif
   }
+  static ByteQuadVec8 nibble_sums(ByteQuadVec8 acc, ByteQuadVec8) { return acc; }
+#else
+  static ByteQuadVec8 nibble_start(ByteQuadVec8) { return {_mm256_setzero_si256()}; }
+  static ByteQuadVec8 dot_nibbles(ByteQuadVec8 acc, ByteQuadVec8 u, ByteQuadVec8 s) {
+    return {_mm256_add_epi16(acc.v, _mm256_maddubs_epi16(u.v, s.v))};
+  }
+  static ByteQuadVec8 nibble_sums(ByteQuadVec8 acc, ByteQuadVec8 start) {
+    return {_mm256_add_epi32(start.v, _mm256_madd_epi16(acc.v, _mm256_set1_epi16(1)))};
+  }
+#endif
   static ByteQuadVec8 dot_q8(ByteQuadVec8 acc, ByteQuadVec8 u, ByteQuadVec8 s) {
 #if PAGEDLLM_CPU_VNNI >= 1
     return dot_nibbles(acc, u, s);

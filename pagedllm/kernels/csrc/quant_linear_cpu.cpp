@@ -254,7 +254,7 @@ void tile(const TileArgs& a) {
     Quads sums[M][V];
     for (int m = 0; m < M; ++m) {
       const Quads start = Quads::broadcast(a.starts[m * a.row_blocks + b]);
-      for (int64_t v = 0; v < V; ++v) sums[m][v] = start;
+      for (int64_t v = 0; v < V; ++v) sums[m][v] = Bits == 8 ? start : Quads::nibble_start(start);
     }
     const int8_t* x = a.quants + b * kBlock;
     auto step = [&](const Quads* weights, int64_t k) {  // k: the step's first input in the block
@@ -280,6 +280,12 @@ void tile(const TileArgs& a) {
         step(nibbles, 4 * g);
         for (int64_t v = 0; v < V; ++v) nibbles[v] = loaded[v].high_nibbles();
         step(nibbles, 16 + 4 * g);
+      }
+    }
+    if constexpr (Bits == 4) {
+      for (int m = 0; m < M; ++m) {
+        const Quads start = Quads::broadcast(a.starts[m * a.row_blocks + b]);
+        for (int64_t v = 0; v < V; ++v) sums[m][v] = Quads::nibble_sums(sums[m][v], start);
       }
     }
     FVec scales[V];
