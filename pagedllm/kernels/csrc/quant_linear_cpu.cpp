@@ -23,11 +23,11 @@
 //                        then the 64 columns' float16 scales, then (where not folded) their mins
 //
 // so a 64-byte load feeds one vpdpbusd per activation row for 16 columns and 4 k (the row's 4
-// quants broadcast), one column per lane, no sums across lanes. Bytes per weight: 4-bit 4.5 (5
-// with mins), 8-bit 8.5 (9). (Panels each a stream of their own read more slowly: 1-row 4-bit
-// products took ~30% longer on Zen 5.) float16 keeps GGUF's Q4_0/Q4_1/Q8_0 scales and mins exactly (they
-// are float16 there); others (Q4_K's d * sc) are rounded to the nearest float16: a relative error
-// of 2^-11 at most (2^-25 absolute below float16's normal range, 6.1e-5), far below the 4 bits'.
+// quants broadcast), one column per lane, no sums across lanes. (Panels each a stream of their
+// own read more slowly: 1-row 4-bit products took ~30% longer on Zen 5.) Bytes per weight: 4-bit
+// 4.5 (5 with mins), 8-bit 8.5 (9). float16 keeps GGUF's Q4_0/Q4_1/Q8_0 scales and mins exactly
+// (they are float16 there); others (Q4_K's d * sc) are rounded to the nearest float16: a relative
+// error of 2^-11 at most (2^-25 absolute below float16's normal range, 6.1e-5), far below 4 bits'.
 //
 // pack_quant_linear(q [N, K] int8, scales [N, K / 32] float32, mins same or None, bits) -> uint8 blob
 // quant_linear(x [M, K] float32 or bfloat16, packed, bits, n, k, bias [N] or None) -> [M, N], x's dtype
@@ -53,7 +53,8 @@ using pagedllm_cpu::Bf16PairVec;
 using pagedllm_cpu::FloatVec16;
 
 // 16 int32 lanes with AVX512-VNNI, else 8 (AVX-VNNI or AVX2); none without AVX2.
-using QuadVec = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, pagedllm_cpu::ByteQuadVec16, pagedllm_cpu::ByteQuadVec8>;
+using QuadVec =
+    std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, pagedllm_cpu::ByteQuadVec16, pagedllm_cpu::ByteQuadVec8>;
 using QuantFloat = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, FloatVec16, pagedllm_cpu::FloatVec8>;
 constexpr bool kHasQuant = pagedllm_cpu::kHasAvx2;
 constexpr int64_t kBlock = 32, kPanelCols = 16, kGroupPanels = 4, kGroupCols = 64, kHeaderBytes = 64;
@@ -133,7 +134,8 @@ at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, cons
   }
   w = w.reshape({groups, blocks, weight_bytes(bits)});
   auto params_of = [&](const at::Tensor& t, const char* name) {  // [N, blocks] -> [groups, blocks, 64] float16
-    return at::constant_pad_nd(as_float16(t, name), {0, 0, 0, padded - n}).view({groups, kGroupCols, blocks}).permute({0, 2, 1});
+    const at::Tensor padded_t = at::constant_pad_nd(as_float16(t, name), {0, 0, 0, padded - n});
+    return padded_t.view({groups, kGroupCols, blocks}).permute({0, 2, 1});
   };
   at::Tensor params = params_of(scales, "scales");
   if (has_mins) params = at::cat({params, params_of(*mins, "mins")}, 2);
@@ -152,7 +154,8 @@ struct QuantRows {
 };
 
 template <typename FVec, typename T>
-void quantize_row(const T* x, int64_t blocks, int32_t offset, int8_t* quants, float* dx, float* dx_sums, int32_t* starts) {
+void quantize_row(const T* x, int64_t blocks, int32_t offset, int8_t* quants, float* dx, float* dx_sums,
+                  int32_t* starts) {
   constexpr int64_t kVecs = kBlock / FVec::kLanes;
   for (int64_t b = 0; b < blocks; ++b) {
     FVec v[kVecs], amax = FVec::zero();
@@ -176,8 +179,9 @@ void quantize_row(const T* x, int64_t blocks, int32_t offset, int8_t* quants, fl
 template <typename FVec>
 QuantRows quantize_rows(const at::Tensor& x, int32_t offset) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
-  QuantRows r{at::empty({rows, k}, x.options().dtype(at::kChar)), at::empty({rows, blocks}, x.options().dtype(at::kFloat)),
-              at::empty({rows, blocks}, x.options().dtype(at::kFloat)), at::empty({rows, blocks}, x.options().dtype(at::kInt))};
+  const auto options = x.options();
+  QuantRows r{at::empty({rows, k}, options.dtype(at::kChar)), at::empty({rows, blocks}, options.dtype(at::kFloat)),
+              at::empty({rows, blocks}, options.dtype(at::kFloat)), at::empty({rows, blocks}, options.dtype(at::kInt))};
   const int64_t grain = std::max<int64_t>(1, 32768 / k);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -210,7 +214,7 @@ struct TileArgs {
   int64_t first_panel, block_stride, blocks;
   float* sums;
   bool resumes, finishes;
-  int64_t stream_ahead, next_run;  // prefetch distances (bytes): into L1 while streaming, into L2 while re-reading
+  int64_t stream_ahead, next_run;  // prefetch distances: into L1 streaming (next_run 0), else into L2
   const float* bias;
   void* out;
   bool out_bf16;
@@ -263,8 +267,10 @@ void tile(const TileArgs& a) {
     auto step = [&](const Quads* weights, int64_t k) {  // k: the step's first input in the block
       for (int m = 0; m < M; ++m) {
         const Quads xq = Quads::broadcast_quad(x + m * a.x_stride + k);
-        for (int64_t v = 0; v < V; ++v)
-          sums[m][v] = Bits == 8 ? Quads::dot_q8(sums[m][v], weights[v], xq) : Quads::dot_nibbles(sums[m][v], weights[v], xq);
+        for (int64_t v = 0; v < V; ++v) {
+          sums[m][v] = Bits == 8 ? Quads::dot_q8(sums[m][v], weights[v], xq)
+                                 : Quads::dot_nibbles(sums[m][v], weights[v], xq);
+        }
       }
     };
 #pragma GCC unroll 8
@@ -314,7 +320,8 @@ void tile(const TileArgs& a) {
   }
   for (int64_t v = 0; v < V && v * L < a.cols; ++v) {
     const FVec bias = a.bias == nullptr ? FVec::zero() : FVec::load(a.bias + v * L);
-    for (int m = 0; m < M; ++m) store_row(a, m * a.out_stride + v * L, FVec::add(acc[m][v], bias), std::min(L, a.cols - v * L));
+    const int64_t n = std::min(L, a.cols - v * L);
+    for (int m = 0; m < M; ++m) store_row(a, m * a.out_stride + v * L, FVec::add(acc[m][v], bias), n);
   }
 }
 
@@ -322,8 +329,8 @@ void tile(const TileArgs& a) {
 // kFewTileRows x kWide, more kTileRows x kNarrow. The integer and float sums (2 M V registers)
 // and a step's weights must fit in the registers: 32 with AVX-512, 16 with AVX2. Measured on
 // Zen 5 (AVX-512): a decode step streams fastest a whole group at a time; from ~16 rows on, the
-// tiles are bound by the vector pipes that take both vpdpbusd and the float work (6 x 2 and
-// 4 x 3 alike).
+// tiles are bound by the vector pipes that take both vpdpbusd and the float work (6 x 2, 4 x 2
+// and 8 x 1 alike).
 template <typename Quads, typename FVec, int Bits, bool HasMins>
 struct Tiles {
   static constexpr bool kWideRegs = Quads::kLanes == 16;
@@ -350,14 +357,16 @@ void tile_rows(int64_t m, const TileArgs& a) {
 // 8-bit ~1.2-1.3x faster on Zen 5; with more tiles, runs were slower). With fewer groups than
 // about 4 per thread, blocks of rows too.
 template <typename T>
-void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias, at::Tensor& out) {
+void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias,
+                at::Tensor& out) {
   const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.dx.size(1);
   const int64_t block_stride = group_stride / blocks;
   const bool few = rows <= T::kFewRows;
   const int64_t tile_height = few ? T::kFewTileRows : T::kTileRows, tile_panels = few ? T::kWide : T::kNarrow;
   const int64_t row_tiles = (rows + tile_height - 1) / tile_height, wanted_tasks = 4 * at::get_num_threads();
   const int64_t split = groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + groups - 1) / groups);
-  const int64_t block_rows = (row_tiles + split - 1) / split * tile_height, num_blocks = (rows + block_rows - 1) / block_rows;
+  const int64_t block_rows = (row_tiles + split - 1) / split * tile_height;
+  const int64_t num_blocks = (rows + block_rows - 1) / block_rows;
   const int64_t tiles_per_task = (block_rows + tile_height - 1) / tile_height;
   const bool in_runs = tiles_per_task > 1 && tiles_per_task <= 6;
   const int64_t run_blocks = in_runs ? std::max<int64_t>(1, 32768 / block_stride) : blocks;
@@ -379,7 +388,8 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
                                 first_group + g * group_stride + b * block_stride, panel, block_stride,
                                 std::min(run_blocks, blocks - b),
                                 sums.data() + (r - row_begin) * kGroupCols + panel * kPanelCols, b > 0,
-                                b + run_blocks >= blocks, kStreamAhead, r > row_begin && b + run_blocks < blocks ? next_run : 0,
+                                b + run_blocks >= blocks, kStreamAhead,
+                                r > row_begin && b + run_blocks < blocks ? next_run : 0,
                                 bias == nullptr ? nullptr : bias + col,
                                 static_cast<char*>(out.data_ptr()) + (r * n + col) * out.element_size(),
                                 out.scalar_type() == at::kBFloat16, n, n - col};
@@ -421,7 +431,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n,
-                "quant_linear: bias must be None or [N = ", n, "] of x's dtype, not ", bias->scalar_type(), " ", bias->sizes());
+                "quant_linear: bias must be None or [N = ", n, "] of x's dtype, not ", bias->scalar_type(), " ",
+                bias->sizes());
     bias_f = at::constant_pad_nd(bias->to(at::kFloat), {0, num_groups(n) * kGroupCols - n}).contiguous();
   }
   const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
