@@ -306,10 +306,12 @@ def pack_quant_linear(
     q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
 ) -> torch.Tensor:
     """The weight W[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32] (mins None: zero) as
-    quant_linear streams it: one uint8 tensor, 4.5 bytes per 8 weights at 4 bits (5 with mins that
-    are not a whole multiple of their scale, as Q4_0's -8 * d is), 8.5 at 8 bits (9 with mins);
-    scales and mins in float16. q: int8 [N, K], 0..15 for bits=4, -128..127 for bits=8;
-    scales, mins: float32 [N, K // 32]. Deterministic; the layout is in csrc/quant_linear_cpu.cpp."""
+    quant_linear streams it: one uint8 tensor, 4.5 bits per weight at 4 bits (5 with mins that
+    are not a whole multiple of their scale, as Q4_0's -8 * d is), 8.5 at 8 bits (9 with mins),
+    N padded to a multiple of 64; scales and mins stored as float16 (exact for GGUF's, which are
+    float16; others rounded, 2^-11 relative at most). q: int8 [N, K], 0..15 for bits=4,
+    -128..127 for bits=8; scales, mins: float32 [N, K // 32]. Deterministic; the layout is in
+    csrc/quant_linear_cpu.cpp."""
     return torch.ops.pagedllm.pack_quant_linear(q, scales, mins, bits)
 
 
