@@ -8,14 +8,14 @@ A Llama-3.2-1B-class layer's projections: qkv (3,072 x 2,048), o (2,048 x 2,048)
 them from memory, as a decode step does): bfloat16 through few_rows_linear, 4-bit as GGUF's Q4_0
 (mins = -8 * scale: folded, 4.5 bits per weight) and 8-bit as Q8_0 (no mins, 8.5 bits); --mins
 stores free mins instead (Q4_1-like, 5 and 9 bits). For each row count, milliseconds per pass over
-all 64 products (the median of passes taken in turn, so the three share the machine's moods),
-each quantized kernel's speed-up over bfloat16, and at one row the packed bytes' effective GB/s.
+all 64 products (the fastest of passes taken in turn: on a host shared with other work the median
+moves with its load, the fastest much less), each quantized kernel's speed-up over bfloat16, and
+at one row the packed bytes' effective GB/s.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -102,7 +102,7 @@ def main() -> None:
         for _ in range(repeats):
             for name, calls in paths.items():
                 times[name].append(pass_seconds(calls))
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        ms = {name: min(t) * 1e3 for name, t in times.items()}
         if rows == 1:
             gbs = {bits: packed_bytes[bits] / ms[bits] / 1e6 for bits in quantized}
             gbs["bf16"] = num_weights * 2 / ms["bf16"] / 1e6
