@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm import limits
-from pagedllm.structured_output.json_schema import parse_json_schema
+from pagedllm.json_schema import parse_json_schema
 
 _GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

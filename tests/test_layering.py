@@ -13,6 +13,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
     [
         "version",
         "limits",
+        "json_schema",
         "logger",
         "outputs",
         "sampling_params",
