@@ -21,11 +21,6 @@ import torch
 BLOCK = 32
 """Inputs per block: each block of a row has its own scale (and min)."""
 
-QUANTIZATIONS = ("gguf", "int8", "int4", "none")
-"""--quantization: a GGUF's own block formats (the default for a GGUF), a float checkpoint
-quantized at load to 8 bits (symmetric) or 4 bits (with a min) per block of 32, or none
-(every weight dequantized to --dtype: the reference path)."""
-
 
 def packed_bits_per_weight(bits: int, has_mins: bool) -> float:
     """Bytes x 8 per weight as the integer kernel holds them (kernels/csrc/quant_linear_cpu.cpp):
