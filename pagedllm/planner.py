@@ -79,6 +79,7 @@ _RESIDENT_BITS = {  # a GGUF block format -> bits per weight as the integer kern
     "Q4_0": packed_bits_per_weight(4, has_mins=False),
     "Q4_1": packed_bits_per_weight(4, has_mins=True),
     "Q4_K": packed_bits_per_weight(4, has_mins=True),
+    "Q5_K": packed_bits_per_weight(8, has_mins=True),
     "Q8_0": packed_bits_per_weight(8, has_mins=False),
 }
 _WIDENED_BITS = packed_bits_per_weight(8, has_mins=False)  # other block formats, widened to 8 bits
@@ -87,8 +88,10 @@ _WIDENED_BITS = packed_bits_per_weight(8, has_mins=False)  # other block formats
 def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
     """Resident weight bytes by format for a GGUF served with its own blocks, from the tensor
     directory alone (the file is memory-mapped, no weight is read): quantized matrices as the
-    integer kernel packs them, the quantized embedding's compact table (codes, float32 scales and
-    mins) plus its packed copy for a tied LM head, float tensors in `dtype`."""
+    integer kernel packs them, the quantized embedding as the file stores it (read out as looked
+    up) plus its packed copy for a tied LM head, float tensors in `dtype`."""
+    import gguf
+
     from pagedllm.model.gguf_weights import read_tensor_directory
 
     tensors = read_tensor_directory(path)
@@ -106,9 +109,9 @@ def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
             continue
         resident = kind if kind in _RESIDENT_BITS else f"{kind} as 8-bit"
         packed = _RESIDENT_BITS.get(kind, _WIDENED_BITS) * count / 8
-        if tensor.name == "token_embd.weight":  # codes, and float32 scales (and mins for 4 bits)
-            bits = 4 if resident in ("Q4_0", "Q4_1", "Q4_K") else 8
-            add(resident, count * (bits + (2 if bits == 4 else 1)) / 8)
+        if tensor.name == "token_embd.weight":
+            block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+            add(resident, count // block_size * type_size)
             if "output.weight" not in names:
                 add(resident, packed)  # the tied head's packed copy
         else:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import BlockQuantized, join_rows, quantize
 from pagedllm.model.gguf_weights import read_tensor
 from pagedllm.model.loader import check_quantization, default_model_path
@@ -31,13 +32,14 @@ def _random_blocks(qtype, rows: int, columns: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows * columns // block_size, type_size), dtype=np.uint8)
-    halves = {KIND.Q8_0: 1, KIND.Q4_0: 1, KIND.Q4_1: 2, KIND.Q4_K: 2}[qtype]
+    halves = {KIND.Q8_0: 1, KIND.Q4_0: 1, KIND.Q4_1: 2, KIND.Q4_K: 2, KIND.Q5_K: 2, KIND.Q6_K: 1}[qtype]
     fields = rng.uniform(-0.05, 0.05, size=(raw.shape[0], halves)).astype(np.float16)
-    raw[:, : 2 * halves] = fields.view(np.uint8).reshape(raw.shape[0], -1)
+    at = type_size - 2 if qtype == KIND.Q6_K else 0  # Q6_K's d comes last
+    raw[:, at : at + 2 * halves] = fields.view(np.uint8).reshape(raw.shape[0], -1)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [KIND.Q8_0, KIND.Q4_0, KIND.Q4_1, KIND.Q4_K])
+@pytest.mark.parametrize("qtype", [KIND.Q8_0, KIND.Q4_0, KIND.Q4_1, KIND.Q4_K, KIND.Q5_K])
 def test_gguf_blocks_read_without_loss(qtype):
     rows, columns = 48, 512
     raw = _random_blocks(qtype, rows, columns)
@@ -45,6 +47,22 @@ def test_gguf_blocks_read_without_loss(qtype):
     assert isinstance(ours, BlockQuantized) and ours.format == qtype.name
     theirs = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, columns))
     assert torch.equal(ours.dequantize(), theirs)
+
+
+@pytest.mark.skipif(not cpu_ops.serves_quant_linear(4, 64, 256), reason="no integer kernel on this build")
+@pytest.mark.parametrize("qtype", [KIND.Q8_0, KIND.Q4_0, KIND.Q4_1, KIND.Q4_K, KIND.Q5_K, KIND.Q6_K])
+def test_gguf_rows_pack_as_their_read_out_blocks(qtype):
+    """The packer that reads GGUF's bytes gives the generic packer's blob byte for byte, also for
+    rows chosen and joined while still encoded (q/k/v, the rotary order, tensor-parallel shares)."""
+    rows, columns = 70, 512  # rows not a whole group of 64: padding too
+    first = read_tensor(_gguf_tensor(_random_blocks(qtype, rows, columns, seed=1), qtype, rows, columns))
+    second = read_tensor(_gguf_tensor(_random_blocks(qtype, rows, columns, seed=2), qtype, rows, columns))
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+    weight = join_rows([first.permute_rows(order), second.rows(3, 50)])
+    encoded = weight.still_encoded
+    assert encoded is not None and weight.shape == (rows + 50, columns)
+    packed = cpu_ops.pack_gguf_linear(encoded.raw, encoded.encoding, columns)
+    assert torch.equal(packed, cpu_ops.pack_quant_linear(weight.q, weight.scales, weight.mins, weight.bits))
 
 
 def test_other_block_formats_are_widened_to_8_bits():

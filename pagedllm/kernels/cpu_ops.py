@@ -42,6 +42,7 @@ _SOURCES = [
         "layer_ops_cpu.cpp",
         "few_rows_linear_cpu.cpp",
         "quant_linear_cpu.cpp",
+        "gguf_pack_cpu.cpp",
         "argmax_cpu.cpp",
     )
 ]
@@ -313,6 +314,17 @@ def pack_quant_linear(
     -128..127 for bits=8; scales, mins: float32 [N, K // 32]. Deterministic; the layout is in
     csrc/quant_linear_cpu.cpp."""
     return torch.ops.pagedllm.pack_quant_linear(q, scales, mins, bits)
+
+
+GGUF_PACKED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+"""The GGUF block formats pack_gguf_linear packs from the file's own bytes."""
+
+
+def pack_gguf_linear(raw: torch.Tensor, gguf_format: str, k: int) -> torch.Tensor:
+    """pack_quant_linear's blob for a GGUF tensor's rows as stored (uint8 [N, row bytes], one of
+    GGUF_PACKED_FORMATS, k values a row), packed from the bytes in one pass on every core
+    (csrc/gguf_pack_cpu.cpp)."""
+    return torch.ops.pagedllm.pack_gguf_linear(raw, gguf_format, k)
 
 
 def quant_linear(

@@ -1,11 +1,14 @@
 """The token embedding: float rows, or rows kept in their quantized blocks and dequantized as looked up.
 
 A step looks up a few hundred rows at most, so a quantized table costs a gather and a multiply-add
-per step and saves its float copy: for a 128k vocabulary that is the size of a small model. 4-bit
-rows are held two codes to a byte.
+per step and saves its float copy: for a 128k vocabulary that is the size of a small model. A GGUF's
+table is held as the file stores it (its rows read out as looked up); others as codes, 4-bit ones
+two to a byte.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,6 +24,8 @@ class VocabEmbedding(nn.Module):
         self.quantized: BlockQuantized | None = None
         """The table as loaded, when the checkpoint kept it quantized (a tied head packs it too)."""
         self.weight_format = ""
+        self.decode: Callable[[torch.Tensor], BlockQuantized] | None = None
+        """How the file's rows (self.raw) read out, where the table is held as the file stores it."""
         self._dtype = torch.float32
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
@@ -37,14 +42,21 @@ class VocabEmbedding(nn.Module):
             self.keep_quantized(dtype)
 
     def keep_quantized(self, dtype: torch.dtype) -> None:
-        """Hold the quantized table compactly (codes, float32 scales and mins) in place of the
-        float weight; rows come out in `dtype`."""
+        """Hold the quantized table compactly in place of the float weight, rows out in `dtype`:
+        the file's own rows where they are still encoded (read out as looked up), else codes and
+        float32 scales and mins."""
         assert self.quantized is not None
         table, device = self.quantized, self.weight.device
-        codes = table.q.view(torch.uint8) if table.bits == 8 else _pack_nibbles(table.q)
-        self.codes = nn.Parameter(codes.to(device), requires_grad=False)
-        self.scales = nn.Parameter(table.scales.to(device), requires_grad=False)
-        self.mins = None if table.mins is None else nn.Parameter(table.mins.to(device), requires_grad=False)
+        encoded = table.still_encoded
+        if encoded is not None:  # a copy: the mapped file is let go once every layer has packed
+            self.raw = nn.Parameter(encoded.raw.clone().to(device), requires_grad=False)
+            self.decode = encoded.decode
+        else:
+            codes = table.q.view(torch.uint8) if table.bits == 8 else _pack_nibbles(table.q)
+            self.codes = nn.Parameter(codes.to(device), requires_grad=False)
+            self.scales = nn.Parameter(table.scales.to(device), requires_grad=False)
+            mins = table.mins
+            self.mins = None if mins is None else nn.Parameter(mins.to(device), requires_grad=False)
         self.bits = table.bits
         self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
         self.quantized = None
@@ -60,6 +72,8 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.weight_format:
             return nn.functional.embedding(input_ids, self.weight)
+        if self.decode is not None:
+            return self.decode(self.raw.index_select(0, input_ids)).dequantize(self._dtype)
         codes = self.codes.index_select(0, input_ids)
         q = codes.view(torch.int8) if self.bits == 8 else _unpack_nibbles(codes)
         num, hidden = q.shape

@@ -129,9 +129,13 @@ class Linear(nn.Linear):
         if quantized is not None:
             n, k = quantized.shape
             if device.type == "cpu" and cpu_ops.serves_quant_linear(quantized.bits, n, k):
-                packed = cpu_ops.pack_quant_linear(
-                    quantized.q, quantized.scales, quantized.mins, quantized.bits
-                )
+                encoded = quantized.still_encoded
+                if encoded is not None and encoded.encoding in cpu_ops.GGUF_PACKED_FORMATS:
+                    packed = cpu_ops.pack_gguf_linear(encoded.raw, encoded.encoding, k)
+                else:
+                    packed = cpu_ops.pack_quant_linear(
+                        quantized.q, quantized.scales, quantized.mins, quantized.bits
+                    )
                 self.weight = nn.Parameter(packed, requires_grad=False)
                 self.impl = quant_linear_impl(quantized.bits, n, k)
                 self.weight_format = quantized.format

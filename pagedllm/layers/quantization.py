@@ -14,7 +14,7 @@ to the model's dtype at load, so the same checkpoint runs everywhere.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,33 +30,90 @@ def packed_bits_per_weight(bits: int, has_mins: bool) -> float:
 
 
 @dataclasses.dataclass
+class EncodedRows:
+    """A weight's rows as a file stores them (uint8 [N, row bytes], e.g. a view of a mapped GGUF)
+    and the function that reads them out: rows are chosen and joined on these bytes, so nothing
+    is spelled out until it is needed, and a kernel that knows the encoding packs from them."""
+
+    raw: torch.Tensor
+    encoding: str
+    """The file's name for it (GGUF's Q4_0, Q4_K, ...)."""
+    decode: Callable[[torch.Tensor], BlockQuantized]
+    """raw rows -> the same rows as codes, scales and mins."""
+
+
 class BlockQuantized:
-    """W[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32]."""
+    """W[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32].
 
-    q: torch.Tensor
-    """int8 [N, K]: 0..15 for 4 bits, -128..127 for 8."""
-    scales: torch.Tensor
-    """float32 [N, K // 32]."""
-    mins: torch.Tensor | None
-    """float32 [N, K // 32], or None for none (symmetric formats)."""
-    bits: int
-    format: str
-    """Where it came from, for the start-up report: a GGUF type name (Q4_K) or int8/int4."""
+    Made from codes, scales and mins, or (from_encoded) from a file's rows still encoded: those are
+    read out on first use of q, scales or mins, one weight at a time, so a model loads without a
+    byte per weight of codes for all of it at once."""
 
-    def __post_init__(self) -> None:
-        n, k = self.q.shape
-        if k % BLOCK or self.scales.shape != (n, k // BLOCK):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        bits: int,
+        format: str,
+    ) -> None:
+        n, k = q.shape
+        if k % BLOCK or scales.shape != (n, k // BLOCK):
             raise ValueError(
                 f"quantized weight [{n}, {k}]: K must be a multiple of {BLOCK}, scales [N, K/{BLOCK}]"
             )
+        self._q: torch.Tensor | None = q
+        self._scales: torch.Tensor | None = scales
+        self._mins = mins
+        self._shape = q.shape
+        self.bits = bits
+        self.format = format
+        """Where it came from, for the start-up report: a GGUF type name (Q4_K) or int8/int4."""
+        self.encoded: EncodedRows | None = None
+
+    @classmethod
+    def from_encoded(cls, encoded: EncodedRows, columns: int, bits: int, format: str) -> BlockQuantized:
+        """Rows still encoded, `columns` values each, read out as `bits`-bit codes when used."""
+        weight = cls.__new__(cls)
+        weight._q = weight._scales = weight._mins = None
+        weight._shape = torch.Size((encoded.raw.shape[0], columns))
+        weight.bits, weight.format, weight.encoded = bits, format, encoded
+        return weight
+
+    @property
+    def q(self) -> torch.Tensor:
+        """int8 [N, K]: 0..15 for 4 bits, -128..127 for 8."""
+        return self._read_out()[0]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """float32 [N, K // 32]."""
+        return self._read_out()[1]
+
+    @property
+    def mins(self) -> torch.Tensor | None:
+        """float32 [N, K // 32], or None for none (symmetric formats)."""
+        return self._read_out()[2]
+
+    def _read_out(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self._q is None or self._scales is None:
+            assert self.encoded is not None
+            decoded = self.encoded.decode(self.encoded.raw)
+            self._q, self._scales, self._mins = decoded.q, decoded.scales, decoded.mins
+        return self._q, self._scales, self._mins
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return self._shape
+
+    @property
+    def still_encoded(self) -> EncodedRows | None:
+        """The file's rows, while they are not read out (a kernel may pack from them)."""
+        return self.encoded if self._q is None else None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] (float32 arithmetic, then `dtype`)."""
-        n, k = self.q.shape
+        n, k = self.shape
         blocks = self.q.view(n, k // BLOCK, BLOCK).float() * self.scales.unsqueeze(-1)
         if self.mins is not None:
             blocks = blocks + self.mins.unsqueeze(-1)
@@ -74,7 +131,8 @@ class BlockQuantized:
             )
         q = self.q.narrow(1, start, length)
         scales = self.scales.narrow(1, start // BLOCK, length // BLOCK)
-        mins = None if self.mins is None else self.mins.narrow(1, start // BLOCK, length // BLOCK)
+        mins = self.mins
+        mins = None if mins is None else mins.narrow(1, start // BLOCK, length // BLOCK)
         return BlockQuantized(
             q.contiguous(),
             scales.contiguous(),
@@ -97,19 +155,32 @@ class BlockQuantized:
             self.q - 8, self.scales, (mins + 8 * self.scales.double()).float(), 8, self.format
         )
 
-    def _map(self, fn) -> BlockQuantized:
-        mins = None if self.mins is None else fn(self.mins).contiguous()
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockQuantized:
+        """The same rows `fn` picks, of the encoded bytes while they are not read out."""
+        if (encoded := self.still_encoded) is not None:
+            encoded = dataclasses.replace(encoded, raw=fn(encoded.raw).contiguous())
+            return BlockQuantized.from_encoded(encoded, self.shape[1], self.bits, self.format)
+        mins = self.mins
         return BlockQuantized(
-            fn(self.q).contiguous(), fn(self.scales).contiguous(), mins, self.bits, self.format
+            fn(self.q).contiguous(),
+            fn(self.scales).contiguous(),
+            None if mins is None else fn(mins).contiguous(),
+            self.bits,
+            self.format,
         )
 
 
 def join_rows(parts: Sequence[BlockQuantized]) -> BlockQuantized:
     """Parts stacked by output rows (q/k/v into qkv), widened to the widest part's bits."""
-    bits = max(part.bits for part in parts)
-    parts = [part.to_bits(bits) for part in parts]
     if len(parts) == 1:
         return parts[0]
+    encoded = [part.still_encoded for part in parts]
+    if all(e is not None and e.encoding == encoded[0].encoding for e in encoded):
+        raw = torch.cat([e.raw for e in encoded])
+        joined = dataclasses.replace(encoded[0], raw=raw)
+        return BlockQuantized.from_encoded(joined, parts[0].shape[1], parts[0].bits, parts[0].format)
+    bits = max(part.bits for part in parts)
+    parts = [part.to_bits(bits) for part in parts]
     any_mins = any(part.mins is not None for part in parts)
     mins = (
         torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])

@@ -1,10 +1,15 @@
 """A GGUF file's weights as they are stored: quantized blocks read into BlockQuantized, not dequantized.
 
-Q8_0, Q4_0, Q4_1 and Q4_K read without loss: each is `scale * code + min` per block of 32 (Q4_K's
-sub-blocks of 32 carry their own scale and min, from 6-bit factors of the super-block's). Other
-block formats (Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K and the IQ types) are dequantized by the `gguf`
-package and quantized again to 8 bits per block of 32: a rounding far below their own, in twice
-their bytes at most. F32, F16 and BF16 tensors (norms, sometimes embeddings) come as float32.
+Q8_0, Q4_0, Q4_1, Q4_K and Q5_K read without loss: each is `scale * code + min` per block of 32
+(the K-quants' sub-blocks of 32 carry their own scale and min, from 6-bit factors of the
+super-block's; Q5_K's 5-bit codes are held as 8-bit ones). Other block formats (Q6_K, whose scales
+cover 16 values; Q5_0, Q5_1, Q2_K, Q3_K and the IQ types) are dequantized by the `gguf` package and
+quantized again to 8 bits per block of 32: a rounding far below their own, in twice their bytes at
+most. F32, F16 and BF16 tensors (norms, sometimes embeddings) come as float32.
+
+A quantized tensor's rows stay encoded (EncodedRows) until used: the CPU kernel packs Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K and Q6_K straight from these bytes (kernels/csrc/gguf_pack_cpu.cpp), and the
+readers here spell them out otherwise (the reference path, the embedding's lookups, other devices).
 
 The file is memory-mapped and read tensor by tensor, so no float copy of the model exists at any
 time, and nothing is written to disk. llama.cpp stores Llama's Q and K rows permuted for its
@@ -23,7 +28,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagedllm.layers.quantization import BLOCK, BlockQuantized, quantize
+from pagedllm.layers.quantization import BLOCK, BlockQuantized, EncodedRows, quantize
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import hf_tensor_name, unpermute_rotary_rows
 
@@ -45,7 +50,7 @@ def read_tensor_directory(gguf_path: Path) -> list[GGUFTensor]:
     """The file's tensors, their bytes memory-mapped. The metadata is walked past, not parsed: the
     `gguf` package's reader decodes every tokenizer string (seconds for a 150k vocabulary), and the
     metadata was read once already, into the cached folder (gguf_convert.py)."""
-    mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    mapped = np.memmap(gguf_path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, no copy
     buffer = memoryview(mapped)
     magic, version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", buffer, 0)
     if magic != b"GGUF" or version < 2:
@@ -116,7 +121,8 @@ def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[st
 
 
 def read_tensor(tensor: Any) -> Weight:
-    """One GGUF tensor: BlockQuantized for a quantized matrix, else float32 [rows, columns]."""
+    """One GGUF tensor: BlockQuantized for a quantized matrix (its rows still encoded, read out
+    when used), else float32 [rows, columns]."""
     kind = gguf.GGMLQuantizationType
     shape = tuple(int(d) for d in reversed(tensor.shape))
     qtype = tensor.tensor_type
@@ -124,11 +130,27 @@ def read_tensor(tensor: Any) -> Weight:
         array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
         return torch.from_numpy(np.array(array, dtype=np.float32))
     rows, columns = shape
-    blocks = np.asarray(tensor.data).reshape(rows, -1)
+    raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1))
     reader = _READERS.get(qtype)  # type: ignore[call-overload]
     if reader is not None:
-        return reader(blocks, rows, columns)
-    array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
+        bits = 8 if qtype in (kind.Q8_0, kind.Q5_K) else 4
+        return BlockQuantized.from_encoded(
+            EncodedRows(raw, qtype.name, lambda raw: reader(raw.numpy(), raw.shape[0], columns)),
+            columns,
+            bits,
+            qtype.name,
+        )
+    return BlockQuantized.from_encoded(
+        EncodedRows(raw, qtype.name, lambda raw: _widened(raw, qtype, columns)),
+        columns,
+        8,
+        f"{qtype.name} as 8-bit",
+    )
+
+
+def _widened(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, columns: int) -> BlockQuantized:
+    """A format no reader here takes, dequantized by `gguf` and quantized again to 8 bits."""
+    array = gguf.quants.dequantize(raw.numpy(), qtype).reshape(raw.shape[0], columns)
     widened = quantize(torch.from_numpy(np.asarray(array, dtype=np.float32)), 8)
     return BlockQuantized(widened.q, widened.scales, None, 8, f"{qtype.name} as 8-bit")
 
@@ -206,9 +228,24 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return factors, minimums
 
 
+def _q5_k(blocks: np.ndarray, rows: int, columns: int) -> BlockQuantized:
+    """Q4_K's super-block with 32 bytes of fifth bits (bit j of byte i: code i of sub-block j)
+    before the codes: codes 0..31, held as 8-bit ones without loss."""
+    b = blocks.reshape(-1, 176)
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    factors, minimums = _k_scale_min(b[:, 4:16])
+    fifth = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    runs = b[:, 48:].reshape(-1, 4, 1, 32)
+    low = np.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(-1, 8, 32)
+    scales = d * factors.astype(np.float32)
+    mins = -(dmin * minimums.astype(np.float32))
+    return _block_quantized(low | (fifth << 4), scales, mins, 8, "Q5_K", rows, columns)
+
+
 _READERS = {
     gguf.GGMLQuantizationType.Q8_0: _q8_0,
     gguf.GGMLQuantizationType.Q4_0: _q4_0,
     gguf.GGMLQuantizationType.Q4_1: _q4_1,
     gguf.GGMLQuantizationType.Q4_K: _q4_k,
+    gguf.GGMLQuantizationType.Q5_K: _q5_k,
 }

@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include "cpu_types.h"
+#include "quant_linear_layout.h"
 
 #include <algorithm>
 #include <cmath>
@@ -57,26 +58,11 @@ using QuadVec =
     std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, pagedllm_cpu::ByteQuadVec16, pagedllm_cpu::ByteQuadVec8>;
 using QuantFloat = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, FloatVec16, pagedllm_cpu::FloatVec8>;
 constexpr bool kHasQuant = pagedllm_cpu::kHasAvx2;
-constexpr int64_t kBlock = 32, kPanelCols = 16, kGroupPanels = 4, kGroupCols = 64, kHeaderBytes = 64;
+using namespace pagedllm_quant;
+
 // How far ahead a tile streaming the weights from memory prefetches them (a 1-row product on one
 // Zen 5 core: ~31 GB/s with it, ~25-27 without; 2-8 KiB alike).
 constexpr int64_t kStreamAhead = 4096;
-
-struct PackedHeader {
-  char magic[8];
-  int64_t bits, n, k;
-  int64_t zero_point;  // z: every min is -z * its scale, folded into the integer sums
-  int64_t has_mins;    // 1: float16 mins stored after each block's scales
-};
-constexpr char kMagic[8] = "pqlin01";
-
-// Bytes of a group's 32-block: weights, then params (all multiples of 64).
-int64_t weight_bytes(int64_t bits) { return kGroupPanels * bits * 64; }
-int64_t param_bytes(bool has_mins) { return kGroupCols * 2 * (has_mins ? 2 : 1); }
-int64_t group_bytes(int64_t bits, int64_t k, bool has_mins) {
-  return k / kBlock * (weight_bytes(bits) + param_bytes(has_mins));
-}
-int64_t num_groups(int64_t n) { return (n + kGroupCols - 1) / kGroupCols; }
 
 bool available() { return kHasQuant; }
 
