@@ -10,7 +10,9 @@ tokens out, EOS ignored, C at a time. Printed: a markdown table of output tokens
 TTFT p50 per server and the ratio pagedllm / llama.cpp, with each server's time to ready and peak
 RSS; everything to OUT/results.json, logs to OUT/*.log. Files with random weights (see
 write_gguf.py) time the same as real ones of their shapes: the work per token does not depend on
-the values.
+the values. With --vllm-venv, vLLM's CPU build serves the same shape in bfloat16 with random
+weights (`--load-format dummy`, on the config pagedllm derives from the file) at 8 and 32 in
+flight: the engine a user would batch with instead.
 """
 
 from __future__ import annotations
@@ -25,22 +27,36 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "vllm_compare"))
-from run import MODEL_NAME, Server, host_info  # noqa: E402
+from run import MODEL_NAME, TCMALLOC, Server, host_info  # noqa: E402
 
 PAGEDLLM = str(REPO / ".venv/bin/pagedllm")
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 64
 
 
-def server_cmd(name: str, args: argparse.Namespace, gguf: Path, c: int) -> list[str]:
+def server_cmd(name: str, args: argparse.Namespace, gguf: Path, c: int) -> tuple[list[str], dict]:
     if name == "pagedllm":
         return [
             PAGEDLLM, "serve", str(gguf), "--served-model-name", MODEL_NAME, "--max-num-seqs", str(c),
             "--max-model-len", "2048", "--kv-cache-memory-bytes", "2GiB", "--port", str(args.port),
-        ]  # fmt: skip
+        ], dict(os.environ)  # fmt: skip
+    if name == "vllm":  # bfloat16, random weights (--load-format dummy) in the file's shape
+        from pagedllm.model.gguf_convert import converted_folder
+
+        env = os.environ | {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB, as pagedllm's
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+            "LD_PRELOAD": f"{TCMALLOC}:{args.vllm_venv}/lib/libiomp5.so",
+        }
+        return [
+            f"{args.vllm_venv}/bin/vllm", "serve", str(converted_folder(gguf)), "--load-format", "dummy",
+            "--dtype", "bfloat16", "--served-model-name", MODEL_NAME, "--max-num-seqs", str(c),
+            "--max-model-len", "2048", "--block-size", "32", "--host", "127.0.0.1", "--port", str(args.port),
+        ], env  # fmt: skip
     return [
         args.llama_server, "-m", str(gguf), "--alias", MODEL_NAME, "-t", str(args.threads), "-np", str(c),
         "-c", str(1024 * c), "--cont-batching", "--host", "127.0.0.1", "--port", str(args.port),
-    ]  # fmt: skip
+    ], dict(os.environ)  # fmt: skip
 
 
 def run_client(url: str, c: int, out: Path) -> dict:
@@ -65,7 +81,8 @@ def run_client(url: str, c: int, out: Path) -> dict:
 
 def measure(name: str, args: argparse.Namespace, gguf: Path, c: int) -> dict:
     log = args.out / f"{name}_{gguf.stem}_c{c}.log"
-    server = Server(name, server_cmd(name, args, gguf, c), dict(os.environ), log, args.port)
+    cmd, env = server_cmd(name, args, gguf, c)
+    server = Server(name, cmd, env, log, args.port)
     try:
         ready_s = server.start(args.ready_timeout)
         server.warm_up()
@@ -83,6 +100,12 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="llama.cpp's -t (pagedllm: all cores)"
     )
+    parser.add_argument(
+        "--vllm-venv",
+        help="also vLLM's CPU build (this venv) in bfloat16 with random weights of the file's shape, "
+        "at --vllm-concurrency",
+    )
+    parser.add_argument("--vllm-concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--port", type=int, default=8150)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--out", type=Path, default=REPO / "results/quantized_models")
@@ -96,24 +119,31 @@ def main() -> None:
     }
     print(
         "| file | in flight | pagedllm tok/s | llama.cpp tok/s | ratio | TPOT p50 ms | TTFT p50 ms "
-        "| ready s | peak RSS GiB |"
+        "| ready s | peak RSS GiB | vLLM bf16 tok/s | ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for gguf in args.files:
         for c in args.concurrency:
             ours, theirs = measure("pagedllm", args, gguf, c), measure("llama.cpp", args, gguf, c)
+            vllm = measure("vllm", args, gguf, c) if args.vllm_venv and c in args.vllm_concurrency else None
             results["runs"].append(
-                {"file": gguf.name, "concurrency": c, "pagedllm": ours, "llama.cpp": theirs}
+                {"file": gguf.name, "concurrency": c, "pagedllm": ours, "llama.cpp": theirs, "vllm": vllm}
             )
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
             ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+            vllm_cells = (
+                f"{vllm['output_tokens_per_s']:.1f} | "
+                f"{ours['output_tokens_per_s'] / vllm['output_tokens_per_s']:.2f}"
+                if vllm
+                else "- | -"
+            )
             print(
                 f"| {gguf.name} | {c} | {ours['output_tokens_per_s']:.1f} | "
                 f"{theirs['output_tokens_per_s']:.1f} | "
                 f"{ratio:.2f} | {ours['tpot_p50_ms']:.0f} / {theirs['tpot_p50_ms']:.0f} | "
                 f"{ours['ttft_p50_ms']:.0f} / {theirs['ttft_p50_ms']:.0f} | "
                 f"{ours['ready_s']:.1f} / {theirs['ready_s']:.1f} | "
-                f"{ours['peak_rss_gib']:.2f} / {theirs['peak_rss_gib']:.2f} |",
+                f"{ours['peak_rss_gib']:.2f} / {theirs['peak_rss_gib']:.2f} | {vllm_cells} |",
                 flush=True,
             )
 

@@ -51,6 +51,7 @@ class VocabEmbedding(nn.Module):
         if encoded is not None:  # a copy: the mapped file is let go once every layer has packed
             self.raw = nn.Parameter(encoded.raw.clone().to(device), requires_grad=False)
             self.decode = encoded.decode
+            table.release_file_pages()
         else:
             codes = table.q.view(torch.uint8) if table.bits == 8 else _pack_nibbles(table.q)
             self.codes = nn.Parameter(codes.to(device), requires_grad=False)

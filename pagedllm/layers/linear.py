@@ -124,7 +124,7 @@ class Linear(nn.Linear):
         where that serves this CPU and dtype. A weight shared with another module (a tied
         lm_head) is replaced here by its packed copy, so the other module keeps its plain tensor.
         A quantized weight no kernel here takes is dequantized into the float weight."""
-        quantized = self.quantized
+        quantized, parts = self.quantized, self.quantized_parts.values()
         self.quantized_parts = {}
         if quantized is not None:
             n, k = quantized.shape
@@ -139,8 +139,12 @@ class Linear(nn.Linear):
                 self.weight = nn.Parameter(packed, requires_grad=False)
                 self.impl = quant_linear_impl(quantized.bits, n, k)
                 self.weight_format = quantized.format
+            else:
+                self.weight = nn.Parameter(quantized.dequantize(dtype).to(device), requires_grad=False)
+            for part in parts:
+                part.release_file_pages()
+            if self.weight_format:
                 return
-            self.weight = nn.Parameter(quantized.dequantize(dtype).to(device), requires_grad=False)
         if device.type != "cpu":
             return
         if cpu_ops.serves_few_rows_linear(self.weight):

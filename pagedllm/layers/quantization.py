@@ -40,6 +40,8 @@ class EncodedRows:
     """The file's name for it (GGUF's Q4_0, Q4_K, ...)."""
     decode: Callable[[torch.Tensor], BlockQuantized]
     """raw rows -> the same rows as codes, scales and mins."""
+    release: tuple[Callable[[], None], ...] = ()
+    """Each lets the file's memory under these rows go, once they are packed or copied."""
 
 
 class BlockQuantized:
@@ -105,6 +107,12 @@ class BlockQuantized:
     @property
     def shape(self) -> torch.Size:
         return self._shape
+
+    def release_file_pages(self) -> None:
+        """Done with the file's bytes: let the memory mapping them go (read again if used)."""
+        if self.encoded is not None:
+            for release in self.encoded.release:
+                release()
 
     @property
     def still_encoded(self) -> EncodedRows | None:
@@ -177,7 +185,8 @@ def join_rows(parts: Sequence[BlockQuantized]) -> BlockQuantized:
     encoded = [part.still_encoded for part in parts]
     if all(e is not None and e.encoding == encoded[0].encoding for e in encoded):
         raw = torch.cat([e.raw for e in encoded])
-        joined = dataclasses.replace(encoded[0], raw=raw)
+        releases = tuple(release for e in encoded for release in e.release)
+        joined = dataclasses.replace(encoded[0], raw=raw, release=releases)
         return BlockQuantized.from_encoded(joined, parts[0].shape[1], parts[0].bits, parts[0].format)
     bits = max(part.bits for part in parts)
     parts = [part.to_bits(bits) for part in parts]

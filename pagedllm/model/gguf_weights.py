@@ -18,8 +18,10 @@ rotary layout; that is undone here, by rows, on the codes as on floats.
 
 from __future__ import annotations
 
+import functools
+import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +46,17 @@ class GGUFTensor:
     shape: tuple[int, ...]
     """GGUF's order: the row length first."""
     data: np.ndarray
+    release: Callable[[], None] = lambda: None
+    """Let the memory holding these bytes go (they are read from the file again if used)."""
 
 
 def read_tensor_directory(gguf_path: Path) -> list[GGUFTensor]:
     """The file's tensors, their bytes memory-mapped. The metadata is walked past, not parsed: the
     `gguf` package's reader decodes every tokenizer string (seconds for a 150k vocabulary), and the
     metadata was read once already, into the cached folder (gguf_convert.py)."""
-    mapped = np.memmap(gguf_path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, no copy
+    with open(gguf_path, "rb") as file:  # copy-on-write: writable views, no copy
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    mapped = np.frombuffer(mapping, dtype=np.uint8)
     buffer = memoryview(mapped)
     magic, version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", buffer, 0)
     if magic != b"GGUF" or version < 2:
@@ -76,8 +82,20 @@ def read_tensor_directory(gguf_path: Path) -> list[GGUFTensor]:
         block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
         count = int(np.prod(shape))
         begin = data_start + start
-        tensors.append(GGUFTensor(name, kind, shape, mapped[begin : begin + count // block_size * type_size]))
+        size = count // block_size * type_size
+        release = functools.partial(_drop_pages, mapping, begin, size)
+        tensors.append(GGUFTensor(name, kind, shape, mapped[begin : begin + size], release))
     return tensors
+
+
+def _drop_pages(mapping: mmap.mmap, begin: int, size: int) -> None:
+    """Drop the mapped pages wholly inside bytes begin .. begin + size from this process's memory
+    (MADV_DONTNEED: clean private pages are read from the file again if touched), so that a
+    model's resident size does not hold the file beside its packed copy while it loads."""
+    start = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (begin + size) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -131,17 +149,18 @@ def read_tensor(tensor: Any) -> Weight:
         return torch.from_numpy(np.array(array, dtype=np.float32))
     rows, columns = shape
     raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1))
+    release = (tensor.release,) if hasattr(tensor, "release") else ()
     reader = _READERS.get(qtype)  # type: ignore[call-overload]
     if reader is not None:
         bits = 8 if qtype in (kind.Q8_0, kind.Q5_K) else 4
         return BlockQuantized.from_encoded(
-            EncodedRows(raw, qtype.name, lambda raw: reader(raw.numpy(), raw.shape[0], columns)),
+            EncodedRows(raw, qtype.name, lambda raw: reader(raw.numpy(), raw.shape[0], columns), release),
             columns,
             bits,
             qtype.name,
         )
     return BlockQuantized.from_encoded(
-        EncodedRows(raw, qtype.name, lambda raw: _widened(raw, qtype, columns)),
+        EncodedRows(raw, qtype.name, lambda raw: _widened(raw, qtype, columns), release),
         columns,
         8,
         f"{qtype.name} as 8-bit",
