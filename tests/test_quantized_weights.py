@@ -13,7 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.linear import MergedColumnParallelLinear
+from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import BlockQuantized, join_rows, quantize
 from pagedllm.model.gguf_weights import read_tensor
 from pagedllm.model.loader import check_quantization, default_model_path
@@ -166,6 +166,20 @@ def test_fused_parts_mixing_float_and_quantized_are_held_as_float(float_part):
     assert layer.weight_format == ""
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), x @ expected.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_parallel_share_that_cuts_blocks_is_held_as_float():
+    tp = types.SimpleNamespace(rank=1, world_size=2)
+    weight = quantize(torch.randn(48, 160), 4)
+    cut = RowParallelLinear(160, 48, tp)  # 80 inputs a rank: two and a half blocks
+    cut.weight_loader(cut.weight, weight, None)
+    assert cut.quantized is None and torch.equal(cut.weight.data, weight.dequantize()[:, 80:])
+    whole = RowParallelLinear(128, 48, tp)  # 64 a rank: whole blocks stay quantized
+    weight = quantize(torch.randn(48, 128), 4)
+    whole.weight_loader(whole.weight, weight, None)
+    assert whole.quantized is not None and torch.equal(
+        whole.quantized.dequantize(), weight.dequantize()[:, 64:]
+    )
 
 
 # llama.cpp's quantizer may leave a part of a fused projection float (attn_v, ffn_up here)

@@ -30,7 +30,7 @@ from torch import nn
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.quantization import BlockQuantized, join_rows
+from pagedllm.layers.quantization import BLOCK, BlockQuantized, join_rows
 
 _FEW_ROWS = 96
 
@@ -220,6 +220,10 @@ class RowParallelLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         if self.tp is not None and param is self.weight:
             columns = self.in_features
+            if isinstance(loaded, BlockQuantized) and columns % BLOCK:
+                # a rank's share would cut blocks of 32 inputs (down_proj of intermediate_size
+                # 160 over 2 ranks): this rank holds its columns as float, exactly
+                loaded = loaded.dequantize(param.dtype)
             loaded = columns_of(loaded, self.tp.rank * columns, columns)
         self._place(param, loaded, shard_id, 0)
 
