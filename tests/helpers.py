@@ -305,3 +305,76 @@ def save_tiny_model(name, folder):
     for file in converted_folder(default_model_path()).glob("tokenizer*"):
         shutil.copy(file, folder)
     return model
+
+
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_tiny_gguf(model, path, types: dict | None = None) -> None:
+    """A transformers Llama or Qwen3 `model` as llama.cpp lays out its GGUF, with the default
+    model's tokenizer metadata. `types`: GGML type by GGUF tensor kind (token_embd, attn_q,
+    attn_v, ffn_down, ...; F32 where none is named), quantized with the `gguf` package; norms
+    F32. Llama's Q/K rows are permuted as llama.cpp's converter does (qwen3's rotary is NEOX:
+    none)."""
+    import gguf
+    import numpy as np
+
+    types = types or {}
+    config = model.config
+    arch = {"llama": "llama", "qwen3": "qwen3"}[config.model_type]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    for key, field in gguf.GGUFReader(str(default_model_path())).fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    for i in range(config.num_hidden_layers):
+        for hf, ours in GGUF_LAYER_NAMES.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
+    state = model.state_dict()
+    names = {hf: name for hf, name in names.items() if hf in state}  # q_norm, k_norm: Qwen3's only
+    assert set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set()) == set(names)
+    for hf, gguf_name in names.items():
+        tensor = state[hf].float().numpy()
+        kind = gguf_name.split(".")[-2]
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+            shape = tensor.shape
+            tensor = tensor.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
+        qtype = types.get(kind, gguf.GGMLQuantizationType.F32) if tensor.ndim == 2 else None
+        if qtype in (None, gguf.GGMLQuantizationType.F32):
+            writer.add_tensor(gguf_name, np.ascontiguousarray(tensor))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name, tensor.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

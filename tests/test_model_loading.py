@@ -20,7 +20,7 @@ from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import MODEL_CLASSES, default_model_path
 from pagedllm.worker.kv_cache import KVCacheSpec, plan_kv_cache
 
-from .helpers import TEST_ENGINE_ARGS, save_tiny_model
+from .helpers import TEST_ENGINE_ARGS, save_tiny_model, write_tiny_gguf
 
 
 def test_gguf_weights_as_read_equal_transformers_gguf_weights(reference):
@@ -118,59 +118,10 @@ def test_architecture_matches_transformers(name, tmp_path, reference):
         )
 
 
-def _write_qwen3_gguf(model, path) -> None:
-    """model's weights as llama.cpp lays out a Qwen3 GGUF (F32; Q/K rows as Hugging Face's, since
-    qwen3's rotary is NEOX, no permutation), with the default model's tokenizer metadata."""
-    import gguf
-
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    for key, field in gguf.GGUFReader(str(default_model_path())).fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
-    layer_names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    for i in range(config.num_hidden_layers):
-        for hf, ours in layer_names.items():
-            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
-    state = model.state_dict()
-    assert set(state) - {"lm_head.weight"} == set(names)  # tied: no output.weight
-    for hf, gguf_name in names.items():
-        writer.add_tensor(gguf_name, state[hf].numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_qwen3_gguf_loads_as_its_hf_folder(tmp_path, monkeypatch):
     model = save_tiny_model("qwen3-head-dim", tmp_path / "hf")
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))  # after the tokenizer's copy
-    _write_qwen3_gguf(model, tmp_path / "tiny-qwen3.gguf")
+    write_tiny_gguf(model, tmp_path / "tiny-qwen3.gguf")  # F32, as llama.cpp lays it out
     folder = converted_folder(tmp_path / "tiny-qwen3.gguf")
 
     ours = dict(iter_gguf_weights(tmp_path / "tiny-qwen3.gguf", ModelConfig.from_folder(folder)))

@@ -9,6 +9,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+import gguf
 import httpx
 import psutil
 import pytest
@@ -18,9 +19,12 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.server_process import ServerProcess
 from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.distributed import shm_all_reduce
+from pagedllm.kernels import cpu_ops
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
 from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
+
+from .helpers import write_tiny_gguf
 
 pytestmark = pytest.mark.slow  # two ranks per engine, a killed rank, ray: about a minute
 
@@ -48,6 +52,7 @@ ENGINE_ARGS = {
 }
 PROMPTS = [f"Story {i}: once upon a time there was a" + " very" * (i * 7) for i in range(8)]
 PROMPTS += [PROMPTS[3] + " and then", PROMPTS[5] + " but"]  # prefix hits on whole blocks
+Q = gguf.GGMLQuantizationType
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 # logits of prompt rows and sampled rows, which a vocabulary-parallel LM head gathers from the ranks
 SCORED = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=3)
@@ -79,6 +84,8 @@ class Run:
     """How rank 0 all-reduced (None with one rank)."""
     scored: list[tuple[int, float]]
     """SCORED's prompt and sampled logprobs, as (token, logprob) in order."""
+    weight_bytes: dict[str, int]
+    """Rank 0's weight bytes by how they are held (Q4_0, float32, ...)."""
 
 
 def generate(model: str, **engine_args) -> Run:
@@ -88,6 +95,7 @@ def generate(model: str, **engine_args) -> Run:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.llm_engine.get_stats()
         (scored,) = llm.generate(PROMPTS[:1], SCORED, use_tqdm=False)
+        weight_bytes = llm.llm_engine.worker.weights_bytes_by_format()
     finally:
         llm.llm_engine.close()
     positions = [p for p in scored.prompt_logprobs or [] if p is not None] + scored.outputs[0].logprobs
@@ -97,6 +105,7 @@ def generate(model: str, **engine_args) -> Run:
         prefix_hits=stats.prefix_cache.hits,
         all_reduce=None if tp is None else "gloo" if tp.shm is None else "shared memory",
         scored=[(token, lp.logprob) for p in positions for token, lp in p.items()],
+        weight_bytes=weight_bytes,
     )
 
 
@@ -187,6 +196,56 @@ def test_the_disk_tier_with_two_ranks_serves_a_restart_as_tp1(tiny_model, tp1, t
 def test_an_untied_lm_head_splits_by_vocabulary_too(tmp_path):
     model = write_tiny_model(tmp_path, tie_word_embeddings=False)
     assert_same_output(generate(model, tensor_parallel_size=2), generate(model), "TP=2, untied")
+
+
+# a GGUF's Q4_0 and Q8_0 blocks, fused projections mixing the two (joined at 8 bits)
+QUANTIZED_TYPES = {
+    "token_embd": Q.Q8_0,
+    "attn_q": Q.Q4_0,
+    "attn_k": Q.Q4_0,
+    "attn_v": Q.Q8_0,
+    "attn_output": Q.Q4_0,
+    "ffn_gate": Q.Q4_0,
+    "ffn_up": Q.Q4_0,
+    "ffn_down": Q.Q8_0,
+}
+
+
+def write_tiny_quantized_gguf(path, architecture: str, **changes) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    config_class, extra = {"llama": (LlamaConfig, {}), "qwen3": (Qwen3Config, {"head_dim": 64})}[architecture]
+    torch.manual_seed(0)
+    config = config_class(**{**TINY_LLAMA, **extra, **changes})
+    write_tiny_gguf(AutoModelForCausalLM.from_config(config, dtype=torch.float32), path, QUANTIZED_TYPES)
+    return str(path)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_tp2_serves_quantized_weights_as_tp1(architecture, tmp_path):
+    """Weights kept in their GGUF blocks: each rank holds its rows of a column-parallel one and
+    its whole blocks of columns of a row-parallel one; TP=2 gives TP=1's greedy tokens."""
+    model = write_tiny_quantized_gguf(tmp_path / f"tiny-{architecture}.gguf", architecture)
+    reference = generate(model)
+    if cpu_ops.serves_quant_linear(4, 32, 32):
+        assert {"Q4_0", "Q8_0", "Q4_0+Q8_0"} <= reference.weight_bytes.keys()
+    run = generate(model, tensor_parallel_size=2)
+    assert run.weight_bytes.keys() == reference.weight_bytes.keys()
+    assert_same_output(run, reference, f"TP=2 on quantized {architecture}")
+
+
+def test_tp2_holds_a_row_parallel_share_that_cuts_blocks_as_float(tmp_path):
+    """intermediate_size 544 leaves each of 2 ranks 272 inputs of down_proj, 8.5 blocks of 32:
+    the ranks hold their share of it dequantized (exact: test_quantized_weights.py), and serve.
+    (Its greedy tokens are not TP=1's, which rounds down_proj's activations to 8 bits.)"""
+    if not cpu_ops.serves_quant_linear(8, 32, 32):
+        pytest.skip("no integer kernel in this CPU's build: every weight is float anyway")
+    model = write_tiny_quantized_gguf(tmp_path / "tiny-544.gguf", "llama", intermediate_size=544)
+    reference = generate(model)
+    run = generate(model, tensor_parallel_size=2)
+    down_proj = TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["hidden_size"] * 272 * 4  # float32 bytes
+    assert run.weight_bytes["float32"] - reference.weight_bytes["float32"] == down_proj
+    assert run.num_preemptions > 0 and all(len(set(t)) > 10 for t in run.tokens)
 
 
 def test_a_size_that_splits_heads_is_refused_saying_what_works():

@@ -30,7 +30,7 @@ from torch import nn
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.quantization import BlockQuantized, join_rows
+from pagedllm.layers.quantization import BLOCK, BlockQuantized, join_rows
 
 _FEW_ROWS = 96
 
@@ -105,6 +105,8 @@ class Linear(nn.Linear):
         self.impl: LinearImpl = F.linear
         self.quantized_parts: dict[int, BlockQuantized] = {}
         """Quantized checkpoint weights by part (0 unless fused), kept until choose_impl packs them."""
+        self.float_parts: set[int] = set()
+        """Parts of the weight that loaded as float (a fused one may mix: _place)."""
         self.weight_format = ""
         """How the weight is held once chosen: its quantized format, or empty for float."""
 
@@ -161,16 +163,31 @@ class Linear(nn.Linear):
         self._place(param, loaded, shard_id, 0)
 
     def _place(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None, offset: int) -> None:
-        """A float part is copied into `param` at row `offset`; a quantized one kept as it is."""
+        """A float part is copied into `param` at row `offset`; a quantized one kept as it is.
+        A fused weight whose parts mix the two (a GGUF may keep attn_v in F16 beside Q4_0 q and
+        k) is held as float: its quantized parts are dequantized into it, which is exact, where
+        quantizing the float parts would round them."""
         if isinstance(loaded, BlockQuantized):
             if param is not self.weight:
                 raise ValueError("only a projection's weight may be quantized")
             if loaded.shape[1] != param.shape[1]:
                 raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-            self.quantized_parts[shard_id or 0] = loaded
-            return
+            if not self.float_parts:
+                self.quantized_parts[shard_id or 0] = loaded
+                return
+            loaded = loaded.dequantize(param.dtype)
+        elif param is self.weight:
+            self.float_parts.add(shard_id or 0)
+            for part_id, part in self.quantized_parts.items():
+                rows = param.data.narrow(0, self._part_offset(part_id), part.shape[0])
+                copy_weight(rows, part.dequantize(param.dtype))
+            self.quantized_parts = {}
         target = param.data if shard_id is None else param.data.narrow(0, offset, loaded.shape[0])
         copy_weight(target, loaded)
+
+    def _part_offset(self, shard_id: int) -> int:
+        """The first row of part `shard_id` in the weight."""
+        return 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
@@ -195,7 +212,10 @@ class MergedColumnParallelLinear(Linear):
             loaded = rows_of(loaded, self.tp.rank * size, size)
         if loaded.shape[0] != size:
             raise ValueError(f"shape {tuple(loaded.shape)}: expected {size} rows")
-        self._place(param, loaded, shard_id, sum(self.output_sizes[:shard_id]))
+        self._place(param, loaded, shard_id, self._part_offset(shard_id))
+
+    def _part_offset(self, shard_id: int) -> int:
+        return sum(self.output_sizes[:shard_id])
 
 
 class RowParallelLinear(Linear):
@@ -208,6 +228,10 @@ class RowParallelLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         if self.tp is not None and param is self.weight:
             columns = self.in_features
+            if isinstance(loaded, BlockQuantized) and columns % BLOCK:
+                # a rank's share would cut blocks of 32 inputs (down_proj of intermediate_size
+                # 160 over 2 ranks): this rank holds its columns as float, exactly
+                loaded = loaded.dequantize(param.dtype)
             loaded = columns_of(loaded, self.tp.rank * columns, columns)
         self._place(param, loaded, shard_id, 0)
 
