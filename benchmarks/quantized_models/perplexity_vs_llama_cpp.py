@@ -4,12 +4,12 @@
         --llama-perplexity llama.cpp-build/bin/llama-perplexity [--ctx 256] FILE.gguf [FILE.gguf ...]
 
 The text is pagedllm's eval set (pagedllm/eval/data/texts.json, joined by blank lines), written to
-OUT/texts.txt. For each file, llama.cpp runs `llama-perplexity -f OUT/texts.txt -c CTX -b CTX -t
-THREADS --kl-divergence-base OUT/FILE.llama.kld`: its perplexity, and its log-probabilities of
-every scored position with the tokens it read (the base file of its `--kl-divergence` mode). Then
-pagedllm scores the same tokens the way perplexity.cpp does:
+OUT/texts.txt, or --text-file. For each file, llama.cpp runs `llama-perplexity -f TEXT -c CTX
+-b CTX -t THREADS --kl-divergence-base OUT/FILE.llama.kld`: its perplexity, and its
+log-probabilities of every scored position with the tokens it read (the base file of its
+`--kl-divergence` mode). Then pagedllm scores the same tokens the way perplexity.cpp does:
 
-    tokens   t_0 t_1 ... (no BOS where the vocabulary says add_bos false; else t_0 of each chunk is BOS)
+    tokens   t_0 t_1 ... of the text; with the GGUF's add_bos_token, t_0 of each chunk is replaced by BOS
     chunk c  tokens [c*CTX, (c+1)*CTX), c < len(tokens) // CTX, each from an empty KV cache
     scored   the second half: logits at positions CTX/2 .. CTX-2 predicting tokens CTX/2+1 .. CTX-1
     PPL      exp(mean negative log-likelihood over all chunks' scored tokens)
@@ -167,7 +167,7 @@ def kl_divergence(log_base: np.ndarray, logits: torch.Tensor) -> tuple[np.ndarra
 
 
 def run_pagedllm(
-    gguf: Path, label: str, text: str, bases: dict[str, LlamaBase], threads: int
+    gguf: Path, label: str, text: str, bases: dict[str, LlamaBase], threads: int, bos_id: int | None
 ) -> tuple[EngineRun, np.ndarray]:
     """pagedllm scores llama.cpp's chunks; returns the run and its per-token NLL [n_chunk * n_scored]."""
     started = time.perf_counter()
@@ -204,8 +204,9 @@ def run_pagedllm(
         found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {name: [] for name in bases}
         for c in range(n_chunk):
             recorded.clear()
-            chunk = ours[c].tolist()  # perplexity.cpp writes BOS over t_0 if add_bos; SmolLM2's is false
-            (output,) = run_generation(engine, [{"prompt_token_ids": chunk}], params)
+            chunk = ours[c].tolist()
+            prompt = chunk if bos_id is None else [bos_id, *chunk[1:]]  # as perplexity.cpp does
+            (output,) = run_generation(engine, [{"prompt_token_ids": prompt}], params)
             positions = output.prompt_logprobs or []  # [None, then token i's logprob given 0..i-1]
             nll += [-positions[i][chunk[i]].logprob for i in range(first + 1, n_ctx)]
             logits = torch.cat(recorded)[first : n_ctx - 1]  # [n_scored, vocab]; rows 0..n_ctx-1 recorded
@@ -240,11 +241,15 @@ def paired_ratio(nll: np.ndarray, nll_base: np.ndarray) -> tuple[float, float]:
     return ratio, ratio * diff.std(ddof=1) / math.sqrt(len(diff))
 
 
-def gguf_format(path: Path) -> str:
+def gguf_metadata(path: Path) -> tuple[str, int | None]:
+    """(the file's format, the BOS id perplexity.cpp writes over each chunk's first token or None)."""
     from gguf import GGUFReader
 
-    found = GGUFReader(str(path)).fields.get("general.file_type")
-    return GGUF_TYPES.get(int(found.contents()), "?") if found else "?"
+    fields = GGUFReader(str(path)).fields
+    file_type, add_bos = fields.get("general.file_type"), fields.get("tokenizer.ggml.add_bos_token")
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    fmt = GGUF_TYPES.get(int(file_type.contents()), "?") if file_type else "?"
+    return fmt, int(bos_id.contents()) if add_bos and add_bos.contents() and bos_id else None
 
 
 def table_row(gguf: Path, fmt: str, run: EngineRun, ratio: tuple[float, float] | None) -> str:
@@ -261,27 +266,38 @@ def main() -> None:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--llama-perplexity", required=True, help="llama.cpp's llama-perplexity binary")
     parser.add_argument("--reference", type=Path, help="the same weights unquantized (F32 or F16 GGUF)")
+    parser.add_argument(
+        "--text-file", type=Path, help="score this UTF-8 text instead of pagedllm's eval set (more tokens)"
+    )
     parser.add_argument("--ctx", type=int, default=256, help="tokens per chunk (llama-perplexity -c)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="both engines' threads")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="pagedllm's runs")
     parser.add_argument("--out", type=Path, default=REPO / "results/perplexity_vs_llama_cpp")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    text = "\n\n".join(load_eval_set("texts"))
-    text_file = args.out / "texts.txt"
-    text_file.write_text(text, encoding="utf-8")
+    if args.text_file:
+        text_file, text = args.text_file, args.text_file.read_text(encoding="utf-8")
+    else:
+        text, text_file = "\n\n".join(load_eval_set("texts")), args.out / "texts.txt"
+        text_file.write_text(text, encoding="utf-8")
     common = (args.ctx, args.threads, args.out)  # every llama-perplexity run's -c, -t and log folder
     reference = (
         run_llama(args.llama_perplexity, args.reference, text_file, *common) if args.reference else None
     )
-    results: dict = {"host": host_info(), "ctx": args.ctx, "threads": args.threads, "files": []}
+    results: dict = {
+        "host": host_info(),
+        "text": str(text_file),
+        "ctx": args.ctx,
+        "threads": args.threads,
+        "files": [],
+    }
     print(
         "| file | format | engine | weights | PPL | PPL / llama.cpp's (paired) | KLD from llama.cpp "
         "| same top | KLD from reference | same top |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for gguf in args.files:
-        fmt = gguf_format(gguf)
+        fmt, bos_id = gguf_metadata(gguf)
         base = run_llama(args.llama_perplexity, gguf, text_file, *common)
         bases = {"llama.cpp": base} | ({"reference": reference} if reference else {})
         theirs = EngineRun("llama.cpp", "as stored", base.ppl, base.nll().size)
@@ -293,7 +309,7 @@ def main() -> None:
         runs = [theirs]
         for label in args.runs:
             gc.collect()  # one engine's weights at a time
-            run, nll = run_pagedllm(gguf, label, text, bases, args.threads)
+            run, nll = run_pagedllm(gguf, label, text, bases, args.threads, bos_id)
             runs.append(run)
             print(table_row(gguf, fmt, run, paired_ratio(nll, base.nll())), flush=True)
         results["files"].append({"file": str(gguf), "format": fmt, "runs": [asdict(r) for r in runs]})
