@@ -20,9 +20,11 @@ pagedllm/eval/scoring.py does), in three runs: the file's blocks kept quantized 
 reference). The logits of the scored positions (the ones the runner's prompt scoring computes,
 recorded as they pass) also give, against llama.cpp's base file, llama.cpp's KL divergence
 KL(llama.cpp || pagedllm) (its formula: base probabilities below e^-16 left out) and how often the
-two pick the same top token. Tokens are checked equal to llama.cpp's; the run stops if they differ.
-PPL ratios to llama.cpp are paired (the same tokens): exp(mean difference of the tokens' negative
-log-likelihoods) +- its standard error.
+two pick the same top token. Both score the token ids llama.cpp read (the comparison is of the
+forward passes); pagedllm's own tokenization of the text is checked against them, and where it
+differs the first difference is reported. PPL ratios to llama.cpp are paired (the same tokens):
+exp(mean difference of the tokens' negative log-likelihoods) +- its standard error.
+`--write-base` also writes each pagedllm run's log-probabilities in llama.cpp's base format.
 
 With `--reference REF.gguf` (the same weights in F32, say), llama.cpp scores REF once, and every run
 on every file, llama.cpp's too (its own `--kl-divergence` mode), gets its KL divergence from REF
@@ -110,6 +112,7 @@ class EngineRun:
     agreement: dict[str, Agreement] = field(default_factory=dict)  # "llama.cpp" / "reference"
     ppl_from_logits: float | None = None
     seconds: float | None = None
+    tokens_differ: str | None = None  # where pagedllm's tokenization parts from llama.cpp's
 
 
 def run_llama(binary: str, gguf: Path, text_file: Path, n_ctx: int, threads: int, out: Path) -> LlamaBase:
@@ -158,6 +161,34 @@ def read_base(path: Path, ppl: float, ppl_error: float) -> LlamaBase:
     return LlamaBase(ppl, ppl_error, n_ctx, tokens, head[..., 0], head[..., 1], rows[:, :, 4 : 4 + n_vocab])
 
 
+def encode_base(logits: torch.Tensor) -> np.ndarray:
+    """perplexity.cpp's log_softmax() for the base file: logits [n_scored, n_vocab] -> uint16
+    rows [n_scored, nv] (scale and min_log_prob as two float32, then the 16-bit codes)."""
+    x = logits.float().numpy()
+    n_scored, n_vocab = x.shape
+    max_logit = x.max(axis=-1, keepdims=True)
+    min_logit = np.maximum(x.min(axis=-1, keepdims=True), max_logit - 16)
+    log_sum_exp = np.log(np.exp(x - max_logit).sum(axis=-1, keepdims=True, dtype=np.float64))
+    scale = (max_logit - min_logit) / np.float32(65535)
+    head = np.concatenate([scale, (min_logit - max_logit - log_sum_exp).astype(np.float32)], axis=-1)
+    codes = np.where(x > min_logit, np.rint((x - min_logit) / np.where(scale > 0, scale, 1)), 0)
+    rows = np.zeros((n_scored, 2 * ((n_vocab + 1) // 2) + 4), np.uint16)
+    rows[:, :4] = np.ascontiguousarray(head, np.float32).view(np.uint16)
+    rows[:, 4 : 4 + n_vocab] = codes
+    return rows
+
+
+def write_base(path: Path, tokens: np.ndarray, rows: list[np.ndarray]) -> None:
+    """A base file llama.cpp's `--kl-divergence` reads (read_base's format)."""
+    n_chunk, n_ctx = tokens.shape
+    n_vocab = 2 * ((rows[0].shape[1] - 4) // 2)  # SmolLM2's and Llama's vocabularies are even
+    with path.open("wb") as f:
+        f.write(b"_logits_" + np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes())
+        f.write(np.ascontiguousarray(tokens, np.int32).tobytes())
+        for chunk_rows in rows:
+            f.write(chunk_rows.tobytes())
+
+
 def kl_divergence(log_base: np.ndarray, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """perplexity.cpp's KL(base || ours) per scored position (base probabilities below e^-16 left
     out), and whether the top tokens agree. log_base, logits: [n_scored, n_vocab]."""
@@ -167,9 +198,16 @@ def kl_divergence(log_base: np.ndarray, logits: torch.Tensor) -> tuple[np.ndarra
 
 
 def run_pagedllm(
-    gguf: Path, label: str, text: str, bases: dict[str, LlamaBase], threads: int, bos_id: int | None
+    gguf: Path,
+    label: str,
+    text: str,
+    bases: dict[str, LlamaBase],
+    threads: int,
+    bos_id: int | None,
+    base_out: Path | None = None,
 ) -> tuple[EngineRun, np.ndarray]:
-    """pagedllm scores llama.cpp's chunks; returns the run and its per-token NLL [n_chunk * n_scored]."""
+    """pagedllm scores llama.cpp's chunks; returns the run and its per-token NLL [n_chunk * n_scored].
+    base_out: where to write pagedllm's log-probabilities as a llama.cpp base file."""
     started = time.perf_counter()
     quantization, dtype = RUNS[label]
     base = bases["llama.cpp"]
@@ -181,15 +219,8 @@ def run_pagedllm(
     )  # fmt: skip
     engine = LLMEngine(config)
     try:
-        tokens = engine.tokenizer(text).input_ids
-        n_chunk = len(tokens) // n_ctx
-        ours = np.array(tokens[: n_chunk * n_ctx], np.int32).reshape(n_chunk, n_ctx)
-        for name, other in bases.items():
-            if ours.shape != other.tokens.shape or not (ours == other.tokens).all():
-                raise RuntimeError(
-                    f"{gguf.name}: pagedllm's {len(tokens)} tokens ({n_chunk} chunks of {n_ctx}) "
-                    f"are not the {other.tokens.size} tokens of the {name} run"
-                )
+        chunks, differ = compare_tokens(engine.tokenizer(text).input_ids, bases)
+        n_chunk = chunks.shape[0]
         model = engine.worker.runner.model
         compute_logits, recorded = model.compute_logits, []
 
@@ -202,9 +233,10 @@ def run_pagedllm(
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         nll, nll_logits = [], []
         found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {name: [] for name in bases}
+        encoded: list[np.ndarray] = []
         for c in range(n_chunk):
             recorded.clear()
-            chunk = ours[c].tolist()
+            chunk = chunks[c].tolist()
             prompt = chunk if bos_id is None else [bos_id, *chunk[1:]]  # as perplexity.cpp does
             (output,) = run_generation(engine, [{"prompt_token_ids": prompt}], params)
             positions = output.prompt_logprobs or []  # [None, then token i's logprob given 0..i-1]
@@ -215,7 +247,11 @@ def run_pagedllm(
             nll_logits += (-log_probs[torch.arange(len(targets)), targets]).tolist()
             for name, other in bases.items():
                 found[name].append(kl_divergence(other.log_probs(c), logits))
+            if base_out is not None:
+                encoded.append(encode_base(logits))
         model.compute_logits = compute_logits
+        if base_out is not None:
+            write_base(base_out, chunks, encoded)
     finally:
         engine.close()
     agreement = {}
@@ -230,8 +266,31 @@ def run_pagedllm(
         agreement=agreement,
         ppl_from_logits=math.exp(sum(nll_logits) / len(nll_logits)),
         seconds=time.perf_counter() - started,
+        tokens_differ=differ,
     )
     return run, np.array(nll)
+
+
+def compare_tokens(tokens: list[int], bases: dict[str, LlamaBase]) -> tuple[np.ndarray, str | None]:
+    """The chunks to score: llama.cpp's tokens, [n_chunk, n_ctx]; and where pagedllm's own
+    tokenization of the text parts from them (None: it does not)."""
+    theirs = bases["llama.cpp"].tokens
+    for name, other in bases.items():
+        if other.tokens.shape != theirs.shape or (other.tokens != theirs).any():
+            raise RuntimeError(f"the {name} run read other tokens than llama.cpp's run of this file")
+    flat, ours = theirs.reshape(-1), np.array(tokens, np.int32)
+    agree = min(len(ours), flat.size)
+    mismatch = np.flatnonzero(ours[:agree] != flat[:agree])
+    if mismatch.size == 0 and len(ours) // theirs.shape[1] == theirs.shape[0]:
+        return theirs, None
+    at = int(mismatch[0]) if mismatch.size else agree
+    differ = (
+        f"pagedllm tokenizes the text to {len(ours)} tokens; the first of llama.cpp's "
+        f"{flat.size} scored ones that differs is #{at} (llama.cpp {flat[at : at + 4].tolist()}, "
+        f"pagedllm {ours[at : at + 4].tolist()}); llama.cpp's tokens are scored"
+    )
+    print(differ, file=sys.stderr)
+    return theirs, differ
 
 
 def paired_ratio(nll: np.ndarray, nll_base: np.ndarray) -> tuple[float, float]:
@@ -272,6 +331,12 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=256, help="tokens per chunk (llama-perplexity -c)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="both engines' threads")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="pagedllm's runs")
+    parser.add_argument(
+        "--write-base",
+        action="store_true",
+        help="also write each pagedllm run's log-probabilities as OUT/FILE.pagedllm-RUN.kld, a base file "
+        "for `llama-perplexity -m FILE --kl-divergence-base THAT --kl-divergence`",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "results/perplexity_vs_llama_cpp")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -309,7 +374,8 @@ def main() -> None:
         runs = [theirs]
         for label in args.runs:
             gc.collect()  # one engine's weights at a time
-            run, nll = run_pagedllm(gguf, label, text, bases, args.threads, bos_id)
+            base_out = args.out / f"{gguf.stem}.pagedllm-{label}.kld" if args.write_base else None
+            run, nll = run_pagedllm(gguf, label, text, bases, args.threads, bos_id, base_out)
             runs.append(run)
             print(table_row(gguf, fmt, run, paired_ratio(nll, base.nll())), flush=True)
         results["files"].append({"file": str(gguf), "format": fmt, "runs": [asdict(r) for r in runs]})
