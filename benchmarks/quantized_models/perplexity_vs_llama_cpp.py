@@ -132,7 +132,7 @@ def llama_agreement(binary: str, gguf: Path, ref: Path, n_ctx: int, threads: int
     run_logged([binary, "-m", str(gguf), "-c", str(n_ctx), "-b", str(n_ctx), "-t", str(threads),
                 "--kl-divergence-base", str(ref_file), "--kl-divergence"], log)  # fmt: skip
     text = log.read_text()
-    kld, top = re.search(r"Mean +KLD: +([\d.]+)", text), re.search(r"Same top p: +([\d.]+)", text)
+    kld, top = re.search(r"Mean +KLD: +(-?[\d.]+)", text), re.search(r"Same top p: +([\d.]+)", text)
     maximum = re.search(r"Maximum KLD: +([\d.]+)", text)
     if kld is None or top is None:
         raise RuntimeError(f"no KLD statistics in {log}")
