@@ -164,7 +164,10 @@ def random_requests(
             f"{num_special} special tokens are counted; raise it or lower --random-range-ratio"
         )
     allowed = np.setdiff1d(np.arange(tokenizer.vocab_size), tokenizer.all_special_ids)
-    prefix = _fit(tokenizer, rng.choice(allowed, prefix_len).tolist(), prefix_len, allowed, rng)[1]
+    # the prefix from the seed and its length alone: runs of any size share it (one caches it for the next)
+    prefix_rng = np.random.default_rng([seed, prefix_len]) if prefix_len else rng
+    prefix_ids = prefix_rng.choice(allowed, prefix_len).tolist()
+    prefix = _fit(tokenizer, prefix_ids, prefix_len, allowed, prefix_rng)[1]
     requests = []
     for num_input, num_output in zip(input_lens.tolist(), output_lens.tolist(), strict=True):
         ids = prefix + rng.choice(allowed, num_input).tolist()
