@@ -182,8 +182,8 @@ def join_rows(parts: Sequence[BlockQuantized]) -> BlockQuantized:
     """Parts stacked by output rows (q/k/v into qkv), widened to the widest part's bits."""
     if len(parts) == 1:
         return parts[0]
-    encoded = [part.still_encoded for part in parts]
-    if all(e is not None and e.encoding == encoded[0].encoding for e in encoded):
+    encoded = [e for part in parts if (e := part.still_encoded) is not None]
+    if len(encoded) == len(parts) and len({e.encoding for e in encoded}) == 1:
         raw = torch.cat([e.raw for e in encoded])
         releases = tuple(release for e in encoded for release in e.release)
         joined = dataclasses.replace(encoded[0], raw=raw, release=releases)

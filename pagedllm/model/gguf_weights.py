@@ -57,7 +57,7 @@ def read_tensor_directory(gguf_path: Path) -> list[GGUFTensor]:
     with open(gguf_path, "rb") as file:  # copy-on-write: writable views, no copy
         mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
     mapped = np.frombuffer(mapping, dtype=np.uint8)
-    buffer = memoryview(mapped)
+    buffer = memoryview(mapping)
     magic, version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", buffer, 0)
     if magic != b"GGUF" or version < 2:
         raise ValueError(f"{gguf_path}: not a GGUF file of version 2 or later")
@@ -150,7 +150,7 @@ def read_tensor(tensor: Any) -> Weight:
     rows, columns = shape
     raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1))
     release = (tensor.release,) if hasattr(tensor, "release") else ()
-    reader = _READERS.get(qtype)  # type: ignore[call-overload]
+    reader = _READERS.get(qtype)
     if reader is not None:
         bits = 8 if qtype in (kind.Q8_0, kind.Q5_K) else 4
         return BlockQuantized.from_encoded(
