@@ -134,13 +134,18 @@ at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, cons
 }
 
 // Each row of x quantized per 32-block: quants [K] int8, dx [blocks], dx * sum(quants) [blocks]
-// and the integer sums' start, -offset * sum(quants) [blocks].
+// and the integer sums' start, -offset * sum(quants) [blocks], laid out for the tiles: rows in
+// tiles of tile_height (the last one h < tile_height rows), each tile's rows interleaved per
+// block (4 quants at a time) so that a tile reads them at fixed offsets from one pointer:
+//   quants of tile t (first row r0, h rows), block b:  [8 steps][h rows][4 quants] at r0 * K + b * 32 h
+//   dx, dx_sums, starts of tile t, block b:            [h rows] at r0 * blocks + b * h
 struct QuantRows {
   at::Tensor quants, dx, dx_sums, starts;
+  int64_t tile_height;
 };
 
 template <typename FVec, typename T>
-void quantize_row(const T* x, int64_t blocks, int32_t offset, int8_t* quants, float* dx, float* dx_sums,
+void quantize_row(const T* x, int64_t blocks, int64_t h, int32_t offset, int8_t* quants, float* dx, float* dx_sums,
                   int32_t* starts) {
   constexpr int64_t kVecs = kBlock / FVec::kLanes;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -152,29 +157,35 @@ void quantize_row(const T* x, int64_t blocks, int32_t offset, int8_t* quants, fl
     const float d = amax.reduce_max() / 127.f;
     FVec sum = FVec::zero();  // whole numbers: exact
     const FVec dv = FVec::broadcast(d);
+    int8_t block[kBlock];
     for (int64_t i = 0; i < kVecs; ++i) {
       const FVec q = d == 0.f ? FVec::zero() : FVec::div(v[i], dv).round();
-      q.store_int8(quants + b * kBlock + i * FVec::kLanes);
+      q.store_int8(block + i * FVec::kLanes);
       sum = FVec::add(sum, q);
     }
+    for (int64_t s = 0; s < kBlock / 4; ++s) std::memcpy(quants + b * kBlock * h + s * 4 * h, block + 4 * s, 4);
     const float total = sum.reduce_add();
-    dx[b] = d, dx_sums[b] = d * total, starts[b] = -offset * static_cast<int32_t>(total);
+    dx[b * h] = d, dx_sums[b * h] = d * total, starts[b * h] = -offset * static_cast<int32_t>(total);
   }
 }
 
 template <typename FVec>
-QuantRows quantize_rows(const at::Tensor& x, int32_t offset) {
+QuantRows quantize_rows(const at::Tensor& x, int32_t offset, int64_t tile_height) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   const auto options = x.options();
   QuantRows r{at::empty({rows, k}, options.dtype(at::kChar)), at::empty({rows, blocks}, options.dtype(at::kFloat)),
-              at::empty({rows, blocks}, options.dtype(at::kFloat)), at::empty({rows, blocks}, options.dtype(at::kInt))};
+              at::empty({rows, blocks}, options.dtype(at::kFloat)), at::empty({rows, blocks}, options.dtype(at::kInt)),
+              tile_height};
   const int64_t grain = std::max<int64_t>(1, 32768 / k);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
+      const int64_t first = row / tile_height * tile_height, h = std::min(tile_height, rows - first);
+      const int64_t i = row - first;  // the row's place in its tile
       auto quantize = [&](const auto* xr) {
-        quantize_row<FVec>(xr + row * x.stride(0), blocks, offset, r.quants.data_ptr<int8_t>() + row * k,
-                           r.dx.data_ptr<float>() + row * blocks, r.dx_sums.data_ptr<float>() + row * blocks,
-                           r.starts.data_ptr<int32_t>() + row * blocks);
+        quantize_row<FVec>(xr + row * x.stride(0), blocks, h, offset, r.quants.data_ptr<int8_t>() + first * k + 4 * i,
+                           r.dx.data_ptr<float>() + first * blocks + i,
+                           r.dx_sums.data_ptr<float>() + first * blocks + i,
+                           r.starts.data_ptr<int32_t>() + first * blocks + i);
       };
       if (x.scalar_type() == at::kBFloat16) quantize(x.data_ptr<c10::BFloat16>());
       else quantize(x.data_ptr<float>());
@@ -184,18 +195,16 @@ QuantRows quantize_rows(const at::Tensor& x, int32_t offset) {
 }
 
 // One tile's rows, columns and blocks (a run of `blocks` from the first one the pointers are at):
-// quants [M][K] (stride x_stride), per-block values [M][...] (stride row_blocks), its group
+// quants and per-block values in QuantRows' layout for a tile of M rows, its group
 // (blocks of block_stride bytes) and first panel there, bias (float32, padded to whole groups)
 // and out [M][N] (stride out_stride) at the tile's first column; cols: the columns from there on
 // that are inside N. Where the blocks are not all of K, the sums carry over in sums [M][64] at
 // the tile's first column: read unless the run is K's first, written unless it is K's last.
 struct TileArgs {
   const int8_t* quants;
-  int64_t x_stride;
   const float* dx;
   const float* dx_sums;
   const int32_t* starts;
-  int64_t row_blocks;
   const uint8_t* group;
   int64_t first_panel, block_stride, blocks;
   float* sums;
@@ -246,13 +255,13 @@ void tile(const TileArgs& a) {
   for (int64_t b = 0; b < a.blocks; ++b) {
     Quads sums[M][V];
     for (int m = 0; m < M; ++m) {
-      const Quads start = Quads::broadcast(a.starts[m * a.row_blocks + b]);
+      const Quads start = Quads::broadcast(a.starts[b * M + m]);
       for (int64_t v = 0; v < V; ++v) sums[m][v] = Bits == 8 ? start : Quads::nibble_start(start);
     }
-    const int8_t* x = a.quants + b * kBlock;
+    const int8_t* x = a.quants + b * kBlock * M;
     auto step = [&](const Quads* weights, int64_t k) {  // k: the step's first input in the block
       for (int m = 0; m < M; ++m) {
-        const Quads xq = Quads::broadcast_quad(x + m * a.x_stride + k);
+        const Quads xq = Quads::broadcast_quad(x + k * M + 4 * m);
         for (int64_t v = 0; v < V; ++v) {
           sums[m][v] = Bits == 8 ? Quads::dot_q8(sums[m][v], weights[v], xq)
                                  : Quads::dot_nibbles(sums[m][v], weights[v], xq);
@@ -280,21 +289,21 @@ void tile(const TileArgs& a) {
     }
     if constexpr (Bits == 4) {
       for (int m = 0; m < M; ++m) {
-        const Quads start = Quads::broadcast(a.starts[m * a.row_blocks + b]);
+        const Quads start = Quads::broadcast(a.starts[b * M + m]);
         for (int64_t v = 0; v < V; ++v) sums[m][v] = Quads::nibble_sums(sums[m][v], start);
       }
     }
     FVec scales[V];
     for (int64_t v = 0; v < V; ++v) scales[v] = FVec::load(params[v] + b * a.block_stride / 2);
     for (int m = 0; m < M; ++m) {
-      const FVec dx = FVec::broadcast(a.dx[m * a.row_blocks + b]);
+      const FVec dx = FVec::broadcast(a.dx[b * M + m]);
       for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(sums[m][v].to_float(), FVec::mul(scales[v], dx), acc[m][v]);
     }
     if constexpr (HasMins) {
       FVec mins[V];
       for (int64_t v = 0; v < V; ++v) mins[v] = FVec::load(params[v] + b * a.block_stride / 2 + kGroupCols);
       for (int m = 0; m < M; ++m) {
-        const FVec dx_sum = FVec::broadcast(a.dx_sums[m * a.row_blocks + b]);
+        const FVec dx_sum = FVec::broadcast(a.dx_sums[b * M + m]);
         for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(mins[v], dx_sum, acc[m][v]);
       }
     }
@@ -348,7 +357,7 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
   const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.dx.size(1);
   const int64_t block_stride = group_stride / blocks;
   const bool few = rows <= T::kFewRows;
-  const int64_t tile_height = few ? T::kFewTileRows : T::kTileRows, tile_panels = few ? T::kWide : T::kNarrow;
+  const int64_t tile_height = xq.tile_height, tile_panels = few ? T::kWide : T::kNarrow;
   const int64_t row_tiles = (rows + tile_height - 1) / tile_height, wanted_tasks = 4 * at::get_num_threads();
   const int64_t split = groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + groups - 1) / groups);
   const int64_t block_rows = (row_tiles + split - 1) / split * tile_height;
@@ -368,9 +377,10 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
           const int64_t m = std::min(tile_height, row_end - r);
           for (int64_t panel = 0; panel < kGroupPanels; panel += tile_panels) {
             const int64_t col = g * kGroupCols + panel * kPanelCols;
-            const TileArgs args{xq.quants.data_ptr<int8_t>() + r * xq.quants.size(1) + b * kBlock, xq.quants.size(1),
-                                xq.dx.data_ptr<float>() + r * blocks + b, xq.dx_sums.data_ptr<float>() + r * blocks + b,
-                                xq.starts.data_ptr<int32_t>() + r * blocks + b, blocks,
+            const TileArgs args{xq.quants.data_ptr<int8_t>() + r * xq.quants.size(1) + b * kBlock * m,
+                                xq.dx.data_ptr<float>() + r * blocks + b * m,
+                                xq.dx_sums.data_ptr<float>() + r * blocks + b * m,
+                                xq.starts.data_ptr<int32_t>() + r * blocks + b * m,
                                 first_group + g * group_stride + b * block_stride, panel, block_stride,
                                 std::min(run_blocks, blocks - b),
                                 sums.data() + (r - row_begin) * kGroupCols + panel * kPanelCols, b > 0,
@@ -394,8 +404,10 @@ template <int Bits, bool HasMins, typename Quads = QuadVec, typename FVec = Quan
 void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, const float* bias, at::Tensor& out) {
   if constexpr (kHasQuant) {
     const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
-    const QuantRows xq = quantize_rows<FVec>(x, offset);
-    run_groups<Tiles<Quads, FVec, Bits, HasMins>>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, out);
+    using T = Tiles<Quads, FVec, Bits, HasMins>;
+    const int64_t tile_height = x.size(0) <= T::kFewRows ? T::kFewTileRows : T::kTileRows;
+    const QuantRows xq = quantize_rows<FVec>(x, offset, tile_height);
+    run_groups<T>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, out);
   }
 }
 
