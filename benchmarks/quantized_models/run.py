@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "vllm_compare"))
+from client import bench_random  # noqa: E402
 from run import MODEL_NAME, TCMALLOC, Server, host_info  # noqa: E402
 
 PAGEDLLM = str(REPO / ".venv/bin/pagedllm")
@@ -61,22 +61,7 @@ def server_cmd(name: str, args: argparse.Namespace, gguf: Path, c: int) -> tuple
 
 def run_client(url: str, c: int, out: Path) -> dict:
     num_prompts = 3 if c == 1 else 2 * c
-    cmd = [
-        str(REPO / ".venv/bin/python"), "-m", "pagedllm", "bench", "serve", "--base-url", url,
-        "--served-model-name", MODEL_NAME, "--dataset-name", "random",
-        "--random-input-len", str(PROMPT_TOKENS),
-        "--random-output-len", str(OUTPUT_TOKENS), "--random-range-ratio", "0", "--ignore-eos",
-        "--num-prompts", str(num_prompts), "--max-concurrency", str(c), "--output-json", str(out),
-        "--disable-tqdm",
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads(out.read_text())
-    return {
-        "output_tokens_per_s": summary["output_throughput"],
-        "tpot_p50_ms": summary["median_tpot_ms"],
-        "ttft_p50_ms": summary["median_ttft_ms"],
-        "completed": summary["completed"],
-    }
+    return bench_random(url, MODEL_NAME, c, num_prompts, PROMPT_TOKENS, OUTPUT_TOKENS, out)
 
 
 def measure(name: str, args: argparse.Namespace, gguf: Path, c: int) -> dict:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "vllm_compare"))
+from client import bench_random  # noqa: E402
 from run import MODEL_NAME, Server, host_info  # noqa: E402
 
 PAGEDLLM = str(REPO / ".venv/bin/pagedllm")
@@ -33,22 +33,16 @@ START_UP_LINES = ("weights take", "KV cache size", "Maximum concurrency", "prefi
 
 
 def bench(server: Server, args: argparse.Namespace, c: int, num_prompts: int, out: Path) -> dict:
-    cmd = [
-        str(REPO / ".venv/bin/python"), "-m", "pagedllm", "bench", "serve", "--base-url", server.url,
-        "--served-model-name", MODEL_NAME, "--dataset-name", "random",
-        "--random-prefix-len", str(args.prefix_tokens), "--random-input-len", str(args.question_tokens),
-        "--random-output-len", str(args.output_tokens), "--random-range-ratio", "0", "--ignore-eos",
-        "--num-prompts", str(num_prompts), "--max-concurrency", str(c), "--output-json", str(out),
-        "--disable-tqdm", "--seed", "0",
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads(out.read_text())
-    return {
-        "output_tokens_per_s": summary["output_throughput"],
-        "ttft_p50_ms": summary["median_ttft_ms"],
-        "tpot_p50_ms": summary["median_tpot_ms"],
-        "completed": summary["completed"],
-    }
+    return bench_random(
+        server.url,
+        MODEL_NAME,
+        c,
+        num_prompts,
+        args.question_tokens,
+        args.output_tokens,
+        out,
+        prefix_len=args.prefix_tokens,
+    )
 
 
 def measure(cached: bool, args: argparse.Namespace) -> dict:
