@@ -145,3 +145,22 @@ def test_qwen3_gguf_loads_as_its_hf_folder(tmp_path, monkeypatch):
         for path in (tmp_path / "tiny-qwen3.gguf", tmp_path / "hf")
     ]
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_tokenizer_is_what_auto_tokenizer_converts(arch, tmp_path, monkeypatch):
+    """The cached folder's tokenizer files are byte for byte what AutoTokenizer makes of the
+    GGUF (the class it picks differs by architecture: TokenizersBackend, Qwen2Tokenizer)."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    if arch == "qwen3":
+        path = tmp_path / "tiny-qwen3.gguf"
+        write_tiny_gguf(save_tiny_model("qwen3-head-dim", tmp_path / "hf"), path)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = converted_folder(path)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path / "auto")
+    names = sorted(p.name for p in (tmp_path / "auto").iterdir())
+    assert "tokenizer.json" in names
+    for name in names:
+        assert (folder / name).read_bytes() == (tmp_path / "auto" / name).read_bytes(), name

@@ -89,10 +89,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """config.json, the tokenizer files and GGUF_SOURCE into `out_dir`; no weights."""
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    (out_dir / "config.json").write_text(json.dumps(_config_of(reader), indent=2))
+    config = _config_of(gguf.GGUFReader(str(gguf_path)))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / GGUF_SOURCE).write_text(str(gguf_path))
-    _save_tokenizer(gguf_path, out_dir)
+    _save_tokenizer(gguf_path, out_dir, config["model_type"])
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -183,8 +183,15 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+def _save_tokenizer(gguf_path: Path, out_dir: Path, model_type: str) -> None:
+    """transformers' conversion of the file's tokenizer, in the class AutoTokenizer would pick for
+    `model_type` (its fallback TokenizersBackend where none is registered). Named here because
+    AutoTokenizer first rebuilds the model's config from the file with the `gguf` package's
+    reader, seconds on a large vocabulary, only to choose that class."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    class_name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    tokenizer_class = (tokenizer_class_from_name(class_name) if class_name else None) or TokenizersBackend
+    tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
