@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from pagedllm.flags import flag, flag_shape
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
@@ -209,6 +210,15 @@ class EngineConfig:
         metadata=_flag("fcfs: arrival order. lpm: prefer waiting requests with the longest cached prefix."),
     )
     seed: int = field(default=0, metadata=_flag("Seed for requests that bring none."))
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
+        default=None,
+        metadata=_flag(
+            "Speculative decoding without a draft model, vLLM's JSON: "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+            '"prompt_lookup_max": 5}\' or "method": "suffix". Draft tokens are checked in the '
+            "batch; greedy output is unchanged, sampled output keeps its distribution."
+        ),
+    )
     chat_template: str | None = field(
         default=None, metadata=_flag("Chat template (Jinja text or a file) instead of the tokenizer's.")
     )
@@ -299,6 +309,13 @@ class EngineConfig:
                 "give --prefix-cache-warmup a JSONL file of prompts or conversations",
             )
         need(self.log_stats_interval > 0, "log_stats_interval", "must be > 0")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """speculative_config as parsed (__post_init__ turns the JSON or dict into it)."""
+        assert not isinstance(self.speculative_config, (str, dict))
+        return self.speculative_config
 
     @property
     def token_budget(self) -> int:

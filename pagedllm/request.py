@@ -77,6 +77,10 @@ class Request:
     num_prompt_logprobs: int = 0
     """Prompt positions already scored and reported (prompt_logprobs requests)."""
     stop_reason: int | str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed for the next step (speculative decoding); checked, not yet known."""
+    draft_acceptance: float = 1.0
+    """Running mean of the share of its draft tokens accepted (speculative decoding's back-off)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of the request's full blocks, in order; grown as tokens are appended."""
     metrics: RequestMetrics = field(init=False)

@@ -140,7 +140,14 @@ EOS = 0
 
 
 def make_scheduler(
-    num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False, max_model_len=None, policy="fcfs"
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    budget=32,
+    caching=False,
+    max_model_len=None,
+    policy="fcfs",
+    speculative_config=None,
 ):
     max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
     config = EngineConfig(
@@ -149,6 +156,7 @@ def make_scheduler(
         max_num_batched_tokens=budget,
         enable_prefix_caching=caching,
         scheduling_policy=policy,
+        speculative_config=speculative_config,
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
 
@@ -166,16 +174,25 @@ def make_request(
     )
 
 
-def fake_run(scheduler: Scheduler, output: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
-    """What a runner returns for this step: `token` for each request whose share reaches its
-    last known token (before update_from_output moves the scheduler's counts on)."""
+def fake_run(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    token: int = 5,
+    num_accepted: int | None = None,
+    next_draft: list[int] | None = None,
+) -> ModelRunnerOutput:
+    """What a runner returns for this step: for each request whose share reaches its last known
+    token (and the draft tokens it checks; before update_from_output moves the scheduler's counts
+    on), the first `num_accepted` of its draft tokens (all where None) and then `token`; and
+    `next_draft` proposed for each of them."""
     requests = scheduler.requests
+    sampled = {}
+    for req_id, num_new in output.num_scheduled_tokens.items():
+        draft = output.scheduled_spec_decode_tokens.get(req_id, [])
+        if requests[req_id].num_computed_tokens + num_new == requests[req_id].num_tokens + len(draft):
+            sampled[req_id] = [*draft[: len(draft) if num_accepted is None else num_accepted], token]
     return ModelRunnerOutput(
-        {
-            req_id: token
-            for req_id, num_new in output.num_scheduled_tokens.items()
-            if requests[req_id].num_computed_tokens + num_new == requests[req_id].num_tokens
-        }
+        sampled, spec_token_ids={req_id: list(next_draft) for req_id in sampled} if next_draft else {}
     )
 
 

@@ -73,3 +73,39 @@ def test_the_pytorch_attention_path_gives_the_same_outputs(baseline, monkeypatch
     again = torch_path.generate(PROMPTS[-4:], params[-4:], use_tqdm=False)  # their prefixes now hit
     assert torch_path.llm_engine.get_stats().prefix_cache.hits > 0
     assert_same_or_near_tie(again, baseline[-4:], "PyTorch attention, prefix hits")
+
+
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+
+def _without_logprobs(i: int) -> SamplingParams:
+    """_params(i) without logprobs, which a request checking draft tokens may not ask for."""
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - (i % 5), ignore_eos=True)
+
+
+@pytest.mark.parametrize("budget", [None, 23])
+def test_speculative_decoding_gives_the_same_outputs(baseline, budget):
+    """n-gram drafts checked in the batch (beside prefill chunks where the budget is small):
+    the plain path's tokens, exactly as many, some drafts accepted and some rejected."""
+    sizes = {"max_num_batched_tokens": budget, "max_num_seqs": budget} if budget else {}
+    spec = LLM(**TEST_ENGINE_ARGS, speculative_config=SPECULATIVE, **sizes)
+    outputs = spec.generate(PROMPTS, [_without_logprobs(i) for i in range(len(PROMPTS))], use_tqdm=False)
+    assert_same_or_near_tie(outputs, baseline, f"speculative, budget {budget}")
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [len(b.outputs[0].token_ids) for b in baseline]
+    stats = spec.llm_engine.get_stats().spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_speculative_decoding_under_a_tiny_pool_gives_the_same_outputs(baseline):
+    tiny = LLM(
+        **{**TEST_ENGINE_ARGS, "max_model_len": 160},
+        num_gpu_blocks_override=10,
+        speculative_config=SPECULATIVE,
+    )
+    outputs = tiny.generate(PROMPTS, [_without_logprobs(i) for i in range(len(PROMPTS))], use_tqdm=False)
+    stats = tiny.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
+    assert_same_or_near_tie(outputs, baseline, "speculative, tiny pool")
+    pool = tiny.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_integrity()

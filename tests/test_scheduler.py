@@ -102,8 +102,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([2, 4, 8]),
         max_num_seqs=st.integers(1, 6),
         extra_budget=st.integers(0, 24),
+        speculative=st.booleans(),
     )
-    def setup(self, num_blocks, block_size, max_num_seqs, extra_budget):
+    def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, speculative):
         # every request must fit the pool alone (the engine checks this against max_model_len)
         self.max_len = num_blocks * block_size
         self.scheduler = make_scheduler(
@@ -113,6 +114,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs + extra_budget,
             caching=False,
             max_model_len=self.max_len,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4} if speculative else None,
         )
         self.counter = 0
         self.finished: set[str] = set()
@@ -128,15 +130,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.counter += 1
         self.scheduler.add_request(make_request(f"r{self.counter}", num_prompt, max_tokens))
 
-    @rule(token=st.integers(0, 9))
-    def step(self, token):
+    @rule(
+        token=st.integers(0, 9),
+        num_accepted=st.integers(0, 4),
+        next_draft=st.lists(st.integers(0, 9), max_size=4),
+    )
+    def step(self, token, num_accepted, next_draft):
+        """With speculation on, the runner proposes `next_draft` (ignored without) and accepts
+        the first num_accepted of each request's draft tokens."""
         running_before = list(self.scheduler.running)
         output = self.scheduler.schedule()
         self.check_the_runner_batch_agrees(output)
-        runner_output = fake_run(self.scheduler, output, token)
-        sampled_rows = [self.batch.row_of[req_id] for req_id in runner_output.sampled_token_ids]
-        if sampled_rows:  # the runner records its samples
-            self.batch.append_tokens(sampled_rows, [token] * len(sampled_rows))
+        runner_output = fake_run(self.scheduler, output, token, num_accepted, next_draft)
+        sampled = runner_output.sampled_token_ids
+        if sampled:  # the runner records its samples
+            self.batch.append_tokens(
+                [self.batch.row_of[req_id] for req_id in sampled], list(sampled.values())
+            )
         outputs = self.scheduler.update_from_output(output, runner_output)
         assert output.total_num_scheduled_tokens <= self.scheduler.config.token_budget
         if not output.preempted_req_ids:
@@ -158,9 +168,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             start = int(self.batch.num_computed_tokens[row])
             assert start == request.num_computed_tokens
             assert int(self.batch.num_tokens[row]) == request.num_tokens
+            draft = output.scheduled_spec_decode_tokens.get(req_id, [])
             assert (
                 self.batch.token_ids[row, start : start + num_new].tolist()
-                == (request.all_token_ids[start : start + num_new])
+                == (request.all_token_ids + draft)[start : start + num_new]
             )
             block_ids = manager.get_block_ids(request.req_id)
             assert self.batch.block_table[row, : len(block_ids)].tolist() == block_ids

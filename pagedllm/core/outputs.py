@@ -66,6 +66,9 @@ class SchedulerOutput:
     """Requests that ended since the last step; the runner drops their state."""
     kv_transfers: KVTransfers | None = None
     """The disk tier's copies before this step's forward (None: none)."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> the draft tokens it checks this step (speculative decoding): scheduled
+    after its last known token, which they follow in its row of the input batch."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,10 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
+    sampled_token_ids: dict[str, list[int]]
+    """Request id -> its new tokens: one, or with draft tokens the accepted ones and one more."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> draft tokens proposed for its next step (speculative decoding)."""
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     """For requests that asked: one entry per prompt token this step scored."""

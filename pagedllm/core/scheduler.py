@@ -23,8 +23,9 @@ from collections import OrderedDict
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.step_cost import StepCostModel
 from pagedllm.metrics.divergence import DivergenceFinder
-from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
+from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.bitmask import GrammarBitmask, fill_bitmask
 
@@ -64,6 +65,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
+        self.step_cost = StepCostModel()
+        """Fitted from the engine's step timings: whether a draft row pays (speculation)."""
+        self.spec_decode_stats = SpecDecodeStats() if config.speculation is not None else None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -134,19 +138,52 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_behind_me = len(self.running) - index - 1
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens, max(1, token_budget - num_behind_me)
-            )
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            room = max(1, token_budget - num_behind_me)
+            num_new = min(request.num_tokens - request.num_computed_tokens, room)
+            draft = self._draft_to_check(request, room) if num_new == 1 else []
+            while self.kv_cache_manager.allocate_slots(request, num_new + len(draft)) is None:
+                if draft:  # the pool is short: check no drafts before preempting anyone
+                    draft = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     return token_budget
-            self._add_to_output(output, request, num_new)
+            num_new += len(draft)
+            self._add_to_output(output, request, num_new, draft)
             token_budget -= num_new
             index += 1
         return token_budget
+
+    def _draft_to_check(self, request: Request, room: int) -> list[int]:
+        """The draft tokens a decoding request checks this step: what it was proposed, cut to
+        the budget, max_model_len and max_tokens, and to none where a draft row is not worth
+        its cost: a request checks drafts while the share of them it has been accepting beats
+        what a row costs a step of this size (StepCostModel), or on every 8th token (a probe of
+        one, so a request that starts quoting its context is noticed)."""
+        spec = self.config.speculation
+        if spec is None or not request.spec_token_ids:
+            return []
+        if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
+            return []
+        limit = min(
+            room - 1,
+            self.max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        if request.draft_acceptance <= self.step_cost.row_cost(len(self.running)):
+            limit = min(limit, 1 if request.num_output_tokens % 8 == 0 else 0)
+        return request.spec_token_ids[: max(0, limit)]
+
+    def _record_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        assert self.spec_decode_stats is not None  # drafts are scheduled only with speculation on
+        self.spec_decode_stats.record(num_draft, num_accepted)
+        request.draft_acceptance = 0.7 * request.draft_acceptance + 0.3 * num_accepted / num_draft
+
+    def record_step_time(self, num_rows: int, seconds: float) -> None:
+        """The engine's timing of a step of num_rows rows (the forward and sampling)."""
+        self.step_cost.record(num_rows, seconds)
 
     def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -204,6 +241,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         self._num_blocks_sent.pop(request.req_id, None)  # the runner drops it; on resume it is new
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -212,14 +250,19 @@ class Scheduler:
         self.waiting[request.req_id] = request
         self.waiting.move_to_end(request.req_id, last=False)
 
-    def _add_to_output(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
-        """The runner gets a request whole once (NewRequestData), then only its new blocks."""
+    def _add_to_output(
+        self, output: SchedulerOutput, request: Request, num_new: int, draft: list[int] | None = None
+    ) -> None:
+        """The runner gets a request whole once (NewRequestData), then only its new blocks (and
+        the draft tokens it checks, counted in num_new)."""
         start = request.num_computed_tokens
         self.num_prompt_tokens_computed += max(0, min(start + num_new, request.num_prompt_tokens) - start)
         sent = self._num_blocks_sent.get(request.req_id)
         block_ids = self.kv_cache_manager.get_block_ids(request.req_id, first=sent or 0)
         self._num_blocks_sent[request.req_id] = (sent or 0) + len(block_ids)
         output.num_scheduled_tokens[request.req_id] = num_new
+        if draft:
+            output.scheduled_spec_decode_tokens[request.req_id] = draft
         if sent is not None:
             output.cached_requests.append(request.req_id, block_ids, start)
             return
@@ -255,24 +298,40 @@ class Scheduler:
                 any_finished = True
                 continue
             prompt_logprobs = self._new_prompt_logprobs(request, runner_output)
+            token_ids = runner_output.sampled_token_ids.get(req_id)
+            draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            # the K/V of rejected draft tokens is not kept: the count stops after the accepted ones
+            if draft:
+                num_new -= len(draft) + 1 - len(token_ids) if token_ids else len(draft)
             request.num_computed_tokens += num_new
-            token_id = runner_output.sampled_token_ids.get(req_id)
-            if token_id is None:
+            request.spec_token_ids = []
+            if draft and token_ids:
+                self._record_acceptance(request, len(draft), len(token_ids) - 1)
+            if not token_ids:
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
-            request.append_output_token_id(token_id)
-            self.num_generation_tokens += 1
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                outputs.append(self._fail(request, f"token {token_id} does not follow the grammar", now))
+            logprobs = runner_output.logprobs.get(req_id)
+            output = EngineCoreOutput(req_id, [], [logprobs] if logprobs else [], prompt_logprobs)
+            status = None
+            for token_id in token_ids:  # up to the first that ends the request
+                request.append_output_token_id(token_id)
+                self.num_generation_tokens += 1
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    outputs.append(self._fail(request, f"token {token_id} does not follow the grammar", now))
+                    break
+                output.new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            if request.is_finished:  # failed on its grammar (a constrained request has no drafts)
                 any_finished = True
                 continue
+            if status is None:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            logprobs = runner_output.logprobs.get(req_id)
-            output = EngineCoreOutput(req_id, [token_id], [logprobs] if logprobs else [], prompt_logprobs)
-            status = self._check_stop(request, token_id)
             if status is not None:
                 request.status = status
                 output.finish_reason = status.finish_reason
@@ -339,4 +398,5 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             num_disk_hit_tokens=self.num_disk_hit_tokens,
             prefix_cache=self.prefix_cache_stats,
+            spec_decode=self.spec_decode_stats,
         )

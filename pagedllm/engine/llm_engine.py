@@ -203,7 +203,12 @@ class LLMEngine:
             self._stage_disk_hits()
         scheduler_output = self.scheduler.schedule()
         grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output)
+        started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
+        if scheduler_output.total_num_scheduled_tokens:
+            self.scheduler.record_step_time(
+                scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started
+            )
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process(core_outputs)
         if processed.stopped:

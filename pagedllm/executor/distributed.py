@@ -51,7 +51,7 @@ class DistributedExecutor(Executor):
         self._failure: WorkerDiedError | None = None
         self._died = threading.Event()
         self._on_failure: FailureCallback | None = None
-        self._last_sampled: dict[str, int] = {}
+        self._last_sampled: dict[str, list[int]] = {}
         self._stopping = False
 
     # ---- what a backend provides -------------------------------------------------------------

@@ -46,7 +46,7 @@ class StepInput:
     step before, which decodes read (the grammar bitmask stays with rank 0: only it samples)."""
 
     scheduler_output: SchedulerOutput
-    sampled_token_ids: dict[str, int]
+    sampled_token_ids: dict[str, list[int]]
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,35 @@ class PrefixCacheStats(HitCounts):
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding since start, as vLLM's spec_decode_* counters: steps of a request
+    that checked drafts, draft tokens checked, accepted, and accepted by position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos += [0] * (num_draft_tokens - len(self.accepted_per_pos))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a checking step gives a request: the accepted drafts and the one after them."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class SchedulerStats:
     """A snapshot after one step."""
 
@@ -131,6 +160,8 @@ class SchedulerStats:
     num_disk_hit_tokens: int = 0
     """Of the prefix-cache hit tokens, those the disk tier (--kv-offload-dir) supplied."""
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    spec_decode: SpecDecodeStats | None = None
+    """None without --speculative-config."""
 
 
 class EngineTotals(NamedTuple):

@@ -27,27 +27,68 @@ class Sampler:
         """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
         wants_logprobs = any(k is not None for k in metadata.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-
-        if metadata.penalties is not None:
-            logits = apply_penalties(logits, metadata.penalties)
-        if metadata.logit_bias is not None:
-            logits = logits.clone()
-            rows, cols, biases = metadata.logit_bias
-            logits[rows, cols] += torch.tensor(biases, device=logits.device, dtype=logits.dtype)
-        if metadata.banned is not None:
-            logits = logits.clone()
-            logits[metadata.banned] = float("-inf")
-
+        logits = _adjusted(logits, metadata)
         tokens = argmax(logits) if metadata.all_greedy else self._sample(logits, metadata)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, [None] * len(token_list)
         return token_list, gather_logprobs(raw_logprobs, tokens, metadata.num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def verify(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]]
+    ) -> list[list[int]]:
+        """Speculative decoding's check, per request: logits has len(d) + 1 rows for each draft d
+        (the positions of its last token and of each draft token), metadata one row per logits
+        row. Returns each request's tokens: the accepted draft tokens, then one more.
+
+        Greedy: a draft token is accepted while it is the argmax, and the first that is not is
+        replaced by the argmax, so the tokens are those plain decoding gives. Otherwise
+        rejection sampling with a deterministic proposer (q one-hot): draft token d at a position
+        with target distribution p is accepted with probability p(d); on a rejection the token is
+        drawn from p with d removed, renormalized; after all are accepted, the next is drawn from
+        the last position's p. Each token is then distributed as plain sampling's."""
+        logits = _adjusted(logits, metadata)
+        greedy_tokens = argmax(logits).tolist()
+        probs = None if metadata.all_greedy else self._probs(logits, metadata)
+        is_greedy = metadata.is_greedy.tolist()
+        results, first = [], 0
+        for draft in drafts:
+            tokens: list[int] = []
+            for i in range(len(draft) + 1):
+                row = first + i
+                if is_greedy[row]:
+                    tokens.append(greedy_tokens[row])
+                    accepted = i < len(draft) and greedy_tokens[row] == draft[i]
+                else:
+                    assert probs is not None
+                    p = probs[row]
+                    accepted = i < len(draft) and float(
+                        torch.rand((), generator=self.generator, device=p.device)
+                    ) < float(p[draft[i]])
+                    if accepted:
+                        tokens.append(draft[i])
+                    else:
+                        if i < len(draft):  # the residual: p without the rejected token
+                            p = p.clone()
+                            p[draft[i]] = 0.0
+                        tokens.append(self._draw(p))
+                if not accepted:
+                    break
+            results.append(tokens)
+            first += len(draft) + 1
+        return results
+
+    def _draw(self, p: torch.Tensor) -> int:
+        """One token from the (unnormalized) probabilities p, by the exponential race."""
+        noise = torch.empty_like(p).exponential_(generator=self.generator)
+        return int((p / noise).argmax())
+
+    def _probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         scaled = logits / metadata.temperature.to(logits.device)[:, None]
-        scaled = _apply_top_k_top_p_min_p(scaled, metadata)
-        probs = torch.softmax(scaled, dim=-1)
+        return torch.softmax(_apply_top_k_top_p_min_p(scaled, metadata), dim=-1)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        probs = self._probs(logits, metadata)
 
         noise = torch.empty_like(probs)
         unseeded = [row for row in range(probs.shape[0]) if row not in metadata.generators]
@@ -59,6 +100,20 @@ class Sampler:
             noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(metadata.is_greedy.to(logits.device), argmax(logits), sampled)
+
+
+def _adjusted(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Penalties, logit bias and min_tokens' banned tokens applied (a copy where any is)."""
+    if metadata.penalties is not None:
+        logits = apply_penalties(logits, metadata.penalties)
+    if metadata.logit_bias is not None:
+        logits = logits.clone()
+        rows, cols, biases = metadata.logit_bias
+        logits[rows, cols] += torch.tensor(biases, device=logits.device, dtype=logits.dtype)
+    if metadata.banned is not None:
+        logits = logits.clone()
+        logits[metadata.banned] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

@@ -60,6 +60,8 @@ class InputBatch:
         self._cuts_top = [False] * max_num_reqs
         """The row cuts by top-k or top-p."""
         self._penalized = [False] * max_num_reqs
+        self._speculates = [False] * max_num_reqs
+        """The row's settings allow draft tokens (SamplingParams.allows_speculation)."""
         self._logit_bias: dict[int, dict[int, float]] = {}
         self._min_tokens: dict[int, tuple[int, list[int]]] = {}
         """Row -> (min_tokens, the stop and end-of-sequence ids banned until then)."""
@@ -87,12 +89,25 @@ class InputBatch:
         for row, block_ids in zip(rows, cached.new_block_ids, strict=True):
             if block_ids:
                 self._append_blocks(row, block_ids)
+        for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
+            row, end = self.row_of[req_id], int(self.num_tokens[self.row_of[req_id]])
+            self.token_ids[row, end : end + len(draft)] = torch.tensor(draft, dtype=torch.int32)
 
-    def append_tokens(self, rows: list[int], token_ids: list[int]) -> None:
-        """Sampled tokens (by this runner, or by rank 0 with tensor parallelism), one per row."""
-        index = torch.tensor(rows)
-        self.token_ids[index, self.num_tokens[index]] = torch.tensor(token_ids, dtype=torch.int32)
-        self.num_tokens[index] += 1
+    def append_tokens(self, rows: list[int], token_ids: list[list[int]]) -> None:
+        """Sampled tokens (by this runner, or by rank 0 with tensor parallelism), a list per row
+        (more than one where speculative decoding accepted draft tokens)."""
+        for row, tokens in zip(rows, token_ids, strict=True):
+            end = int(self.num_tokens[row])
+            self.token_ids[row, end : end + len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            self.num_tokens[row] = end + len(tokens)
+
+    def speculates(self, row: int) -> bool:
+        """Whether draft tokens may be proposed for this row now: its settings allow them, and
+        min_tokens (which bans tokens by position) is reached."""
+        if not self._speculates[row]:
+            return False
+        entry = self._min_tokens.get(row)
+        return entry is None or int(self.num_tokens[row] - self.num_prompt_tokens[row]) >= entry[0]
 
     # ---- what a step reads ---------------------------------------------------------------------
 
@@ -207,6 +222,7 @@ class InputBatch:
         self._cuts_top[row] = int(self.top_k[row]) < self.vocab_size or params.top_p < 1.0
         self.min_p[row] = params.min_p
         self._penalized[row] = params.has_penalties
+        self._speculates[row] = params.allows_speculation
         self.repetition_penalty[row] = params.repetition_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.presence_penalty[row] = params.presence_penalty

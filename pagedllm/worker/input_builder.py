@@ -24,9 +24,11 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
+    logits_indices: torch.Tensor  # rows whose logits are sampled: len(draft) + 1 per sampled request
     sampled_rows: list[int]
-    """The input batch's rows those logits belong to, same order."""
+    """The input batch's rows of the sampling requests, in the order of their logits."""
+    drafts: list[list[int]]
+    """Per sampling request, the draft tokens it checks (speculative decoding; mostly empty)."""
     prompt_scoring: list[tuple[int, int, int]]
     """(batch row, first flat row, number of flat rows) whose next token is a prompt token, for
     requests asking for prompt_logprobs."""
@@ -39,9 +41,12 @@ def build_model_input(
     block_size: int,
     device: torch.device,
     attn_backend: AttentionBackend,
+    drafts: list[list[int]] | None = None,
 ) -> ModelInput:
     """rows: the batch rows of the step's requests, in step order; counts: their tokens this
-    step. attn_backend builds the attention metadata its path reads."""
+    step, the last known one and then draft tokens `drafts[i]` where given (written after the
+    known tokens in the batch's rows). attn_backend builds the attention metadata its path reads."""
+    drafts = drafts or [[] for _ in rows]
     index = torch.tensor(rows)
     counts_t = torch.tensor(counts)
     starts_t = batch.num_computed_tokens[index]
@@ -61,10 +66,14 @@ def build_model_input(
         slot_mapping, counts, starts_t.tolist(), seq_lens, row_offset_list, block_tables, block_size
     )
     attn_metadata = attn_backend.build_metadata(layout, device)
-    # a request samples when this step reaches its last known token
-    samples = (seq_lens_t == batch.num_tokens[index]).tolist()
+    # a request samples when this step reaches its last known token (and its drafts after it)
+    num_drafts = torch.tensor([len(d) for d in drafts])
+    samples = (seq_lens_t == batch.num_tokens[index] + num_drafts).tolist()
     sampled = [i for i in range(len(rows)) if samples[i]]
-    logits_indices = torch.tensor([row_offset_list[i] + counts[i] - 1 for i in sampled], dtype=torch.long)
+    logits_indices = torch.tensor(
+        [row_offset_list[i] + counts[i] - 1 - j for i in sampled for j in range(len(drafts[i]), -1, -1)],
+        dtype=torch.long,
+    )
 
     prompt_scoring = []
     for i, row in enumerate(rows):
@@ -79,5 +88,6 @@ def build_model_input(
         attn_metadata=attn_metadata,
         logits_indices=logits_indices.to(device),
         sampled_rows=[rows[i] for i in sampled],
+        drafts=[drafts[i] for i in sampled],
         prompt_scoring=prompt_scoring,
     )

@@ -23,6 +23,8 @@ from pagedllm.attention.backend import AttentionBackend, select_backend
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.proposer import make_proposer
 from pagedllm.structured_output.bitmask import GrammarBitmask, apply_bitmask
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_builder import ModelInput, build_model_input
@@ -41,12 +43,16 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         samples: bool = True,
+        speculation: SpeculativeConfig | None = None,
     ) -> None:
         """`samples`: False on tensor-parallel ranks other than 0, which run the forward pass
         (its all-reduces need them) and leave sampling to rank 0 (with a vocabulary-parallel LM
-        head they compute their share of its logits)."""
+        head they compute their share of its logits). `speculation`: propose draft tokens after
+        each step for the requests that sampled (rank 0 only)."""
         self.model = model
         self.samples = samples
+        self.speculation = speculation if samples else None
+        self.proposer = make_proposer(self.speculation) if self.speculation is not None else None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -63,13 +69,13 @@ class ModelRunner:
             device, model.embed_tokens.weight.dtype, kv_caches[0][0].dtype, model.config.head_dim
         )
 
-    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
         """Tokens sampled elsewhere (tensor parallelism: by rank 0) for requests held here; a
-        request finished or preempted since is not held, and its token is dropped."""
+        request finished or preempted since is not held, and its tokens are dropped."""
         row_of = self.input_batch.row_of
-        held = [(row_of[req_id], token) for req_id, token in sampled_token_ids.items() if req_id in row_of]
+        held = [(row_of[req_id], tokens) for req_id, tokens in sampled_token_ids.items() if req_id in row_of]
         if held:
-            self.input_batch.append_tokens(*map(list, zip(*held, strict=True)))
+            self.input_batch.append_tokens([row for row, _ in held], [tokens for _, tokens in held])
 
     @torch.inference_mode()
     def execute_model(
@@ -77,8 +83,12 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.update(scheduler_output)
+        if self.proposer is not None:
+            for req_id in scheduler_output.finished_req_ids:
+                self.proposer.finish(req_id)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
+        spec = scheduler_output.scheduled_spec_decode_tokens
         model_input = build_model_input(
             batch,
             [batch.row_of[req_id] for req_id in scheduler_output.num_scheduled_tokens],
@@ -86,6 +96,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.attn_backend,
+            [spec.get(req_id, []) for req_id in scheduler_output.num_scheduled_tokens] if spec else None,
         )
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
@@ -100,12 +111,76 @@ class ModelRunner:
         if model_input.sampled_rows:
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
             assert logits is not None  # rank 0 gets the whole vocabulary
-            if grammar_bitmask is not None:
+            first_logits = _first_logits_rows(model_input.drafts)
+            if grammar_bitmask is not None:  # (a constrained request has no drafts: one row)
                 output.failed.update(grammar_bitmask.failed)
-                position = {batch.req_ids[row]: i for i, row in enumerate(model_input.sampled_rows)}
+                position = {
+                    batch.req_ids[row]: first_logits[i] for i, row in enumerate(model_input.sampled_rows)
+                }
                 apply_bitmask(logits, grammar_bitmask, position)
-            self._sample(logits, model_input.sampled_rows, output)
+            plain = [i for i, draft in enumerate(model_input.drafts) if not draft]
+            if len(plain) == len(model_input.sampled_rows):
+                self._sample(logits, model_input.sampled_rows, output)
+            else:
+                if plain:
+                    rows = [model_input.sampled_rows[i] for i in plain]
+                    self._sample(logits[[first_logits[i] for i in plain]], rows, output)
+                self._verify(logits, first_logits, model_input, output)
+            self._propose(model_input.sampled_rows, output)
         return output
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        first_logits: list[int],
+        model_input: ModelInput,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """The requests with draft tokens: their accepted tokens and one more (Sampler.verify),
+        all at once, or each alone where that raises."""
+        batch = self.input_batch
+        checked = [i for i, draft in enumerate(model_input.drafts) if draft]
+        try:
+            self._verify_group(logits, first_logits, model_input, checked, output)
+            return
+        except Exception:
+            logger.warning("Batched draft checking failed; checking the %d requests one by one", len(checked))
+        for i in checked:
+            with _failing_alone(output, batch.req_ids[model_input.sampled_rows[i]]):
+                self._verify_group(logits, first_logits, model_input, [i], output)
+
+    def _verify_group(
+        self,
+        logits: torch.Tensor,
+        first_logits: list[int],
+        model_input: ModelInput,
+        group: list[int],
+        output: ModelRunnerOutput,
+    ) -> None:
+        drafts = [model_input.drafts[i] for i in group]
+        rows = [model_input.sampled_rows[i] for i in group]
+        logits_rows = [first_logits[i] + j for i in group for j in range(len(model_input.drafts[i]) + 1)]
+        metadata_rows = [
+            model_input.sampled_rows[i] for i in group for _ in range(len(model_input.drafts[i]) + 1)
+        ]
+        tokens = self.sampler.verify(
+            logits[logits_rows], self.input_batch.sampling_metadata(metadata_rows), drafts
+        )
+        self._record(output, tokens, [None] * len(rows), rows)
+
+    def _propose(self, rows: list[int], output: ModelRunnerOutput) -> None:
+        """Draft tokens for the next step of the requests that sampled and may speculate."""
+        if self.proposer is None or self.speculation is None:
+            return
+        batch = self.input_batch
+        for row in rows:
+            req_id = batch.req_ids[row]
+            if req_id not in output.sampled_token_ids or not batch.speculates(row):
+                continue
+            context = batch.token_ids[row, : int(batch.num_tokens[row])].numpy()
+            draft = self.proposer.propose(req_id, context, self.speculation.num_speculative_tokens)
+            if draft:
+                output.spec_token_ids[req_id] = draft
 
     def _logits_for_rank_0(self, hidden: torch.Tensor, model_input: ModelInput) -> None:
         """Tensor-parallel ranks but 0, with a vocabulary-parallel head: their share of every
@@ -128,15 +203,18 @@ class ModelRunner:
             for i, row in enumerate(rows):
                 with _failing_alone(output, batch.req_ids[row]):
                     alone = batch.sampling_metadata([row])
-                    self._record(output, *self.sampler(logits[i : i + 1], alone), [row])
+                    token, logprob = self.sampler(logits[i : i + 1], alone)
+                    self._record(output, [token], logprob, [row])
             return
-        self._record(output, tokens, logprobs, rows)
+        self._record(output, [[token] for token in tokens], logprobs, rows)
 
-    def _record(self, output: ModelRunnerOutput, tokens: list[int], logprobs: list, rows: list[int]) -> None:
+    def _record(
+        self, output: ModelRunnerOutput, tokens: list[list[int]], logprobs: list, rows: list[int]
+    ) -> None:
         batch = self.input_batch
-        for row, token, lp in zip(rows, tokens, logprobs, strict=True):
+        for row, new_tokens, lp in zip(rows, tokens, logprobs, strict=True):
             req_id = batch.req_ids[row]
-            output.sampled_token_ids[req_id] = token
+            output.sampled_token_ids[req_id] = new_tokens
             if lp is not None:
                 output.logprobs[req_id] = lp
         batch.append_tokens(rows, tokens)  # the runner's copy grows as the scheduler's
@@ -151,6 +229,15 @@ class ModelRunner:
         assert logits is not None
         k = batch.num_prompt_logprobs[row]
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]
+
+
+def _first_logits_rows(drafts: list[list[int]]) -> list[int]:
+    """Each sampling request's first row of the logits: len(draft) + 1 rows each."""
+    firsts, at = [], 0
+    for draft in drafts:
+        firsts.append(at)
+        at += len(draft) + 1
+    return firsts
 
 
 @contextlib.contextmanager

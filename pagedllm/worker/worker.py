@@ -142,11 +142,12 @@ class Worker:
             max_num_reqs=self.config.max_num_seqs,
             max_model_len=plan.max_model_len,
             samples=self.tp is None or self.tp.is_driver,
+            speculation=self.config.speculation,
         )
         if isinstance(self.runner.attn_backend, CpuKernelBackend):
             logger.info("Attention: %s", self.runner.attn_backend.name)
 
-    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
         """Ranks that do not sample: the tokens rank 0 sampled last step, before this step's input."""
         assert self.runner is not None, "initialize_cache() first"
         self.runner.append_sampled(sampled_token_ids)
