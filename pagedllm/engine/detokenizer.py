@@ -22,22 +22,30 @@ class IncrementalDetokenizer:
         self._stop_strings = params.stop_strings
         self._hold_back = max((len(s) for s in self._stop_strings), default=1) - 1
         self._num_tokens = 0
+        self.num_taken = 0
+        """Of the tokens the last append() was given, how many it took (up to a stop string)."""
         self.output_text = ""
         prefix = _clean_prompt_suffix(tokenizer, prompt_token_ids)
         self._stream = DecodeStream(ids=prefix, skip_special_tokens=params.skip_special_tokens)
 
     def append(self, token_ids: list[int]) -> str | None:
         """Add new tokens' text. Returns the stop string they completed, if any; the output
-        text is then cut at it (kept when include_stop_str_in_output)."""
-        start = len(self.output_text)
+        text is then cut at it (kept when include_stop_str_in_output), and the tokens after the
+        one that completed it are not taken (num_taken: several come at once from speculative
+        decoding, and plain decoding would have stopped there)."""
+        self.num_taken = 0
         for token_id in token_ids:
+            start = len(self.output_text)
             piece = self._stream.step(self._backend, token_id)
             if piece:
                 self.output_text += piece
-        self._num_tokens += len(token_ids)
-        if not self._stop_strings or self._num_tokens < self._params.min_tokens:
-            return None
-        return self._find_stop(max(0, start - self._hold_back))
+            self._num_tokens += 1
+            self.num_taken += 1
+            if self._stop_strings and self._num_tokens >= self._params.min_tokens:
+                stop = self._find_stop(max(0, start - self._hold_back))
+                if stop is not None:
+                    return stop
+        return None
 
     def _find_stop(self, search_from: int) -> str | None:
         best: tuple[int, str] | None = None

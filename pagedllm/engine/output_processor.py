@@ -85,8 +85,8 @@ class OutputProcessor:
         return processed
 
     def _apply(self, state: _RequestState, core: EngineCoreOutput, processed: ProcessedOutputs) -> None:
-        state.token_ids.extend(core.new_token_ids)
         stop = state.detokenizer.append(core.new_token_ids)
+        state.token_ids.extend(core.new_token_ids[: state.detokenizer.num_taken])
         if stop is not None and core.finish_reason is None:
             processed.stopped.append(core.req_id)
         if stop is not None:

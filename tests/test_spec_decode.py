@@ -1,0 +1,228 @@
+"""Speculative decoding: its settings, the n-gram proposer, the check of draft tokens (greedy and
+rejection sampling, whose output must be distributed as plain sampling's), the step-cost model
+behind its back-off, and the engine with it on: stop conditions and aborts as without it."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.step_cost import StepCostModel
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.ngram import NgramProposer
+
+from .helpers import TEST_ENGINE_ARGS
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+
+# ---- settings ----------------------------------------------------------------------------------
+
+
+def test_config_reads_vllm_json_and_names_what_is_wrong():
+    config = SpeculativeConfig.parse(
+        json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    )
+    assert config == SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_max=4)
+    assert SpeculativeConfig.parse(None) is None
+    for bad, names in [
+        ('{"method": "ngram", "model": "draft-1b"}', "unknown key(s) model"),
+        ('{"num_speculative_tokens": 2}', "speculative_config.method: required"),
+        ('{"method": "eagle"}', "speculative_config.method"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 1e30}', "num_speculative_tokens"),
+        ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_max"),
+        ("[1, 2]", "must be a JSON object"),
+        ("{method: ngram}", "not valid JSON"),
+    ]:
+        with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(")", r"\)")):
+            SpeculativeConfig.parse(bad)
+
+
+# ---- the n-gram proposer -----------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    proposer = NgramProposer(min_n=1, max_n=3)
+    tokens = np.array([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3], dtype=np.int32)
+    # [1, 2, 3] (n = 3) occurred at 0, followed by 4 5 9; [2, 3] later at 6 loses to the longer match
+    assert proposer.propose("r", tokens, 3) == [4, 5, 9]
+    assert proposer.propose("r", tokens, 1) == [4]
+    assert proposer.propose("r", np.array([5, 6, 7], dtype=np.int32), 3) == []
+    assert NgramProposer(min_n=2, max_n=2).propose("r", np.array([1, 2, 9, 2], dtype=np.int32), 3) == []
+    # the latest earlier occurrence of the longest match wins
+    assert proposer.propose("r", np.array([4, 1, 4, 2, 4], dtype=np.int32), 2) == [2, 4]
+
+
+# ---- checking draft tokens ---------------------------------------------------------------------
+
+
+def _metadata(num_rows: int, greedy: bool) -> SamplingMetadata:
+    return SamplingMetadata(
+        all_greedy=greedy,
+        is_greedy=torch.full((num_rows,), greedy),
+        temperature=torch.ones(num_rows),
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        generators={},
+        penalties=None,
+        logit_bias=None,
+        banned=None,
+        num_logprobs=[None] * num_rows,
+    )
+
+
+def test_greedy_check_keeps_the_argmax_run_and_corrects_the_first_miss():
+    logits = torch.tensor([[0.0, 5, 0, 0], [0, 0, 5, 0], [5.0, 0, 0, 0], [0, 0, 0, 5]])
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    # argmaxes 1 2 0 3: drafts [1, 2, 3] -> 1, 2 accepted, 3 replaced by 0; a full match gets 1 more
+    assert sampler.verify(logits, _metadata(4, True), [[1, 2, 3]]) == [[1, 2, 0]]
+    assert sampler.verify(logits[:3], _metadata(3, True), [[1, 2]]) == [[1, 2, 0]]
+    assert sampler.verify(logits, _metadata(4, True), [[3], [2]]) == [[1], [0]]
+
+
+def _chi_square_p_value(observed: Counter, expected: dict[int, float], n: int) -> float:
+    """P(X >= statistic) for X ~ chi-square with len(expected) - 1 degrees of freedom (the
+    Wilson-Hilferty approximation: good to ~1e-3 here, and the test's threshold is 1e-4)."""
+    statistic = sum((observed[k] - n * p) ** 2 / (n * p) for k, p in expected.items())
+    assert sum(observed.values()) == sum(observed[k] for k in expected), "a token outside the support"
+    dof = len(expected) - 1
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_rejection_sampling_draws_each_token_from_the_target_distribution():
+    """Drafts [1, 2] against targets p0, p1, p2: the first token must be distributed as p0
+    (accepted with p0(1), else drawn from the residual), the second, given the first was the
+    draft, as p1, and the one after a full match as p2."""
+    logits = torch.tensor([[0.0, 0.3, -0.5, 1.0], [0.2, -1.0, 0.7, 0.1], [1.0, 0.0, -0.3, 0.4]])
+    probs = torch.softmax(logits, dim=-1).tolist()
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    firsts: Counter = Counter()
+    seconds: Counter = Counter()
+    thirds: Counter = Counter()
+    n = 8_000
+    for _ in range(n):
+        tokens = sampler.verify(logits, _metadata(3, False), [[1, 2]])[0]
+        firsts[tokens[0]] += 1
+        if tokens[0] == 1:
+            seconds[tokens[1]] += 1
+            if tokens[1] == 2:
+                thirds[tokens[2]] += 1
+    for observed, p in ((firsts, probs[0]), (seconds, probs[1]), (thirds, probs[2])):
+        total = sum(observed.values())
+        assert total > 300
+        assert _chi_square_p_value(observed, dict(enumerate(p)), total) > 1e-4, (observed, p)
+
+
+# ---- when a draft row is worth checking --------------------------------------------------------
+
+
+def test_step_cost_model_recovers_a_linear_step_time():
+    model = StepCostModel()
+    assert model.row_cost(8) == 0.0  # nothing measured: rows taken as free
+    for rows in [1, 4, 16, 64, 256, 1, 8, 32] * 10:
+        model.record(rows, 0.010 + 0.0005 * rows)
+    t0, t1 = model.coefficients()
+    assert t0 == pytest.approx(0.010, rel=1e-6) and t1 == pytest.approx(0.0005, rel=1e-6)
+    assert model.row_cost(1) == pytest.approx(0.0005 / 0.0105)
+    assert 0 < model.row_cost(4) < model.row_cost(64) < 1
+
+
+# ---- the engine with speculation on ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
+    """Four requests at a time: a draft row is cheap (the back-off leaves drafts on)."""
+    return LLM(**TEST_ENGINE_ARGS, speculative_config=NGRAM, max_num_seqs=4)
+
+
+REPETITIVE = "one two three four five six seven eight nine ten. " * 4 + "Again: one two three"
+
+
+def test_stop_conditions_end_where_they_end_without_speculation(llm, spec_llm):
+    """A stop token, a stop string or max_tokens reached inside a run of accepted draft tokens
+    ends the output exactly where plain decoding ends it."""
+    plain = llm.generate(REPETITIVE, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    tokens, text = plain.outputs[0].token_ids, plain.outputs[0].text
+    cases = [
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[tokens[11]]),
+        SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, stop=[text[len(text) // 2 : len(text) // 2 + 6]]
+        ),
+        SamplingParams(
+            temperature=0,
+            max_tokens=40,
+            ignore_eos=True,
+            stop=[text[len(text) // 3 : len(text) // 3 + 5]],
+            include_stop_str_in_output=True,
+        ),
+    ]
+    for params in cases:
+        want = llm.generate(REPETITIVE, params, use_tqdm=False)[0].outputs[0]
+        got = spec_llm.generate(REPETITIVE, params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_reason,
+        ), params
+    assert spec_llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_aborts_while_checking_drafts_give_every_block_back(spec_llm):
+    engine: LLMEngine = spec_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for round_ in range(3):
+        ids = [f"abort-{round_}-{i}" for i in range(12)]
+        for i, req_id in enumerate(ids):
+            engine.add_request(req_id, REPETITIVE + f" {i}", params)
+        for _ in range(4 + round_):
+            engine.step()
+        engine.abort_request(ids[::2])
+        engine.step()
+        engine.abort_request(ids[1::2])
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().spec_decode.num_draft_tokens > 0
+    pool = engine.kv_cache_manager.block_pool
+    pool.check_integrity()
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_sampled_output_keeps_its_distribution_with_speculation(llm, spec_llm):
+    """Temperature 1 over the top two tokens, three tokens a request (the second and third
+    checked as drafts where the n-gram proposer finds them): the joint distribution of the
+    continuations with speculation is that of plain sampling (chi-square, two samples)."""
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+    n = 400
+    samples = {}
+    for name, engine in (("plain", llm), ("spec", spec_llm)):
+        before = engine.llm_engine.get_stats().spec_decode
+        drafts_before = before.num_draft_tokens if before else 0
+        outputs = [
+            out for _ in range(n // 4) for out in engine.generate([REPETITIVE] * 4, params, use_tqdm=False)
+        ]
+        samples[name] = Counter(tuple(o.outputs[0].token_ids) for o in outputs)
+        after = engine.llm_engine.get_stats().spec_decode
+        if name == "spec":
+            assert after.num_draft_tokens - drafts_before > n // 4, "drafts were checked"
+    cells = sorted(set(samples["plain"]) | set(samples["spec"]))
+    statistic = 0.0
+    for cell in cells:
+        a, b = samples["plain"][cell], samples["spec"][cell]
+        statistic += (a - b) ** 2 / (a + b)  # two equal-size samples
+    dof = len(cells) - 1
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-4, samples
