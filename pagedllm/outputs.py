@@ -88,3 +88,5 @@ class RequestOutput:
     """Why the request failed, when its finish_reason is "error"."""
     num_preemptions: int = 0
     """Times the scheduler took this request's blocks back and recomputed it."""
+    draft_tokens: tuple[int, int] | None = None
+    """Speculative decoding: (draft tokens checked, accepted) for this request; None when off."""

@@ -80,6 +80,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed for the next step (speculative decoding); checked, not yet known."""
     draft_acceptance: float = 1.0
+    num_draft_tokens: int = 0
+    """Draft tokens checked for this request, and of them accepted (per-response timings)."""
+    num_accepted_tokens: int = 0
     """Running mean of the share of its draft tokens accepted (speculative decoding's back-off)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of the request's full blocks, in order; grown as tokens are appended."""

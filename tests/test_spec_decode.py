@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -226,3 +228,48 @@ def test_sampled_output_keeps_its_distribution_with_speculation(llm, spec_llm):
     dof = len(cells) - 1
     z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
     assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-4, samples
+
+
+# ---- served -------------------------------------------------------------------------------------
+
+
+def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look():
+    """--speculative-config on the server: the start-up line, vLLM's spec_decode_* families on
+    /metrics, acceptance in /stats, the response's timings (llama.cpp's draft_n fields), and a
+    bad setting refused at start with its name."""
+    import httpx
+
+    from .helpers import MODEL, RemoteServer, server_engine_args
+
+    server = RemoteServer([*server_engine_args(), "--speculative-config", json.dumps(NGRAM)])
+    try:
+        assert any("Speculative decoding: ngram, up to 4 draft tokens" in line for line in server.lines)
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            body = {"model": MODEL, "prompt": REPETITIVE, "max_tokens": 24, "temperature": 0}
+            response = http.post("/v1/completions", json=body | {"ignore_eos": True})
+            assert response.status_code == 200, response.text
+            timings = response.json()["timings"]
+            assert timings["draft_n"] >= timings["draft_n_accepted"] > 0
+            stats = http.get("/stats").json()["spec_decode"]
+            assert stats["num_accepted_tokens"] == timings["draft_n_accepted"]
+            assert stats["mean_acceptance_length"] > 1
+            metrics = http.get("/metrics").text
+            for family in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                assert f"pagedllm:spec_decode_{family}_total{{" in metrics
+            assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="' in metrics
+    finally:
+        server.stop()
+    done = subprocess.run(  # a server that must not start: run to its end
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.openai.api_server",
+            *server_engine_args(),
+            "--speculative-config",
+            '{"method": "ngram", "draft_model": "x"}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "unknown key(s) draft_model" in done.stdout + done.stderr

@@ -179,6 +179,8 @@ class Scheduler:
     def _record_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
         assert self.spec_decode_stats is not None  # drafts are scheduled only with speculation on
         self.spec_decode_stats.record(num_draft, num_accepted)
+        request.num_draft_tokens += num_draft
+        request.num_accepted_tokens += num_accepted
         request.draft_acceptance = 0.7 * request.draft_acceptance + 0.3 * num_accepted / num_draft
 
     def record_step_time(self, num_rows: int, seconds: float) -> None:

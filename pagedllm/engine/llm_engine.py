@@ -97,7 +97,9 @@ class LLMEngine:
             else None
         )
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, max_model_len, self.divergence)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, speculative=self.config.speculation is not None
+        )
         self.stats_logger = (
             None
             if self.config.disable_log_stats
@@ -372,6 +374,17 @@ class LLMEngine:
             f"{plan.max_model_len:,}",
             plan.max_concurrency,
         )
+        spec = self.config.speculation
+        if spec is not None:
+            logger.info(
+                "Speculative decoding: %s, up to %d draft tokens a request and step (%s), checked in "
+                "the batch; fewer where the step's measured cost of a row beats a request's acceptance",
+                spec.method,
+                spec.num_speculative_tokens,
+                f"prompt lookup {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
+                if spec.method == "ngram"
+                else f"suffix trees of depth {spec.suffix_decoding_max_tree_depth}",
+            )
 
 
 def _describe(error: Exception) -> str:

@@ -40,8 +40,10 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, speculative: bool = False) -> None:
+        """speculative: outputs carry each request's draft token counts."""
         self.tokenizer = tokenizer
+        self.speculative = speculative
         self._states: dict[str, _RequestState] = {}
 
     def add_request(self, request: Request) -> None:
@@ -143,4 +145,7 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             error=state.error,
             num_preemptions=request.num_preemptions,
+            draft_tokens=(request.num_draft_tokens, request.num_accepted_tokens)
+            if self.speculative
+            else None,
         )

@@ -81,6 +81,7 @@ class LiveStats:
             "prompt_tokens_computed": stats.num_prompt_tokens_computed,
             "generation_tokens": stats.num_generation_tokens,
             "prefix_cache": prefix_cache,
+            "spec_decode": None if stats.spec_decode is None else stats.spec_decode.snapshot(),
             "latency_s": {
                 phase: _percentiles([r[phase] for r in window if r[phase] is not None]) for phase in _PHASES
             },
@@ -101,6 +102,7 @@ class Sample(NamedTuple):
     hit_rate: float | None  # None: no prompt was looked up in the interval (a gap, not a 0)
     ttft_p50: float | None  # of the requests that finished in the interval
     ttft_p95: float | None
+    draft_acceptance: float | None  # share of draft tokens accepted; None: none checked
 
 
 class History:
@@ -147,6 +149,7 @@ class History:
                 hit_rate=new.hits / new.queries if new.queries else None,
                 ttft_p50=None if ttft is None else ttft["p50"],
                 ttft_p95=None if ttft is None else ttft["p95"],
+                draft_acceptance=new.accepted_tokens / new.draft_tokens if new.draft_tokens else None,
             )
         )
         self._last_time, self._last_counts, self._ttfts = now, self._counts, []

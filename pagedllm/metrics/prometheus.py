@@ -36,7 +36,7 @@ from prometheus_client import (
 
 from pagedllm.metrics import buckets
 from pagedllm.metrics.hit_breakdowns import HitBreakdowns
-from pagedllm.metrics.stats import EngineTotals, SchedulerStats
+from pagedllm.metrics.stats import EngineTotals, SchedulerStats, SpecDecodeStats
 from pagedllm.outputs import RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -71,8 +71,11 @@ class PrometheusMetrics:
         max_model_len: int,
         cache_config: dict[str, str],
         caller_labels: bool = True,
+        num_speculative_tokens: int | None = None,
     ) -> None:
-        """caller_labels: export the hit breakdown by caller (`user` strings become label values)."""
+        """caller_labels: export the hit breakdown by caller (`user` strings become label values).
+        num_speculative_tokens: speculative decoding is on, with drafts up to this long (its
+        families, vLLM's spec_decode_*, exist only then, as in vLLM)."""
         self.registry = CollectorRegistry()
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(collector)  # stateless readers of this process: safe to share
@@ -93,6 +96,10 @@ class PrometheusMetrics:
             registry=self.registry,
         ).labels(**self._labels, **cache_config).set(1)
         self._hit_breakdowns = HitBreakdowns(self.registry, prefix, self._labels, caller_labels)
+        self._spec_decode = (
+            None if num_speculative_tokens is None else self._add_spec_decode_families(num_speculative_tokens)
+        )
+        self._last_spec_decode: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._last_counts = EngineTotals()
         self._last_token_times: dict[str, float] = {}
         """Live requests that have their first token: when their latest token came."""
@@ -125,6 +132,40 @@ class PrometheusMetrics:
             "iteration_tokens_total",
             "Tokens per engine step (prompt and generated).",
             buckets.ITERATION_TOKENS,
+        )
+
+    def _add_spec_decode_families(
+        self, num_positions: int
+    ) -> tuple[Counter, Counter, Counter, dict[str, Counter]]:
+        """vLLM's names: steps of a request that checked drafts, draft tokens, accepted ones,
+        and accepted ones by position in the draft."""
+        return (
+            self._counter("spec_decode_num_drafts", "Steps of a request that checked draft tokens."),
+            self._counter("spec_decode_num_draft_tokens", "Draft tokens checked."),
+            self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+            self._counters(
+                "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in their draft.",
+                "position",
+                tuple(str(pos) for pos in range(num_positions)),
+            ),
+        )
+
+    def _record_spec_decode(self, stats: SpecDecodeStats) -> None:
+        assert self._spec_decode is not None
+        drafts, draft_tokens, accepted, per_pos = self._spec_decode
+        last_drafts, last_tokens, last_accepted, last_per_pos = self._last_spec_decode
+        drafts.inc(stats.num_drafts - last_drafts)
+        draft_tokens.inc(stats.num_draft_tokens - last_tokens)
+        accepted.inc(stats.num_accepted_tokens - last_accepted)
+        for pos, count in enumerate(stats.accepted_per_pos):
+            if str(pos) in per_pos:
+                per_pos[str(pos)].inc(count - (last_per_pos[pos] if pos < len(last_per_pos) else 0))
+        self._last_spec_decode = (
+            stats.num_drafts,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            list(stats.accepted_per_pos),
         )
 
     def _add_request_families(self, token_buckets: list[float]) -> None:
@@ -221,6 +262,8 @@ class PrometheusMetrics:
             self.iteration_tokens.observe(new.prompt_tokens_computed + new.generation_tokens)
         if new.queries:  # prompt tokens were looked up: some breakdown moved
             self._hit_breakdowns.record(stats.prefix_cache)
+        if stats.spec_decode is not None and self._spec_decode is not None:
+            self._record_spec_decode(stats.spec_decode)
         for output in outputs:
             self._record_tokens(output)
             if output.finished:

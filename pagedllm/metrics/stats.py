@@ -139,6 +139,17 @@ class SpecDecodeStats:
         """Tokens a checking step gives a request: the accepted drafts and the one after them."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def snapshot(self) -> dict:
+        """/stats' view."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
 
 @dataclass
 class SchedulerStats:
@@ -174,10 +185,12 @@ class EngineTotals(NamedTuple):
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
     disk_hits: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def of(cls, stats: SchedulerStats) -> EngineTotals:
-        cache = stats.prefix_cache
+        cache, spec = stats.prefix_cache, stats.spec_decode or SpecDecodeStats()
         return cls(
             cache.queries,
             cache.hits,
@@ -185,6 +198,8 @@ class EngineTotals(NamedTuple):
             stats.num_prompt_tokens_computed,
             stats.num_generation_tokens,
             stats.num_disk_hit_tokens,
+            spec.num_draft_tokens,
+            spec.num_accepted_tokens,
         )
 
     def since(self, before: EngineTotals) -> EngineTotals:

@@ -199,6 +199,7 @@ def run_server(args: argparse.Namespace) -> None:
         root=config.model or engine.model_name,
         max_model_len=engine.max_model_len,
     )
+    spec = engine.config.speculation
     metrics = PrometheusMetrics(
         models.names[0],
         prefix=server_config.metrics_prefix,
@@ -210,6 +211,7 @@ def run_server(args: argparse.Namespace) -> None:
             "num_gpu_blocks": str(engine.num_kv_blocks),
         },
         caller_labels=caller_labels_on(server_config.metrics_caller_label, server_config.api_key),
+        num_speculative_tokens=None if spec is None else spec.num_speculative_tokens,
     )
     live_stats = LiveStats(models.names[0], engine.num_kv_blocks, engine.config.block_size)
 

@@ -253,6 +253,9 @@ class Timings(BaseModel):
     predicted_per_token_ms: float | None
     """predicted_ms over the predicted_n - 1 gaps between tokens (vLLM's TPOT)."""
     predicted_per_second: float | None
+    draft_n: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Speculative decoding: draft tokens checked for the sequence, and of them accepted."""
+    draft_n_accepted: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class UsageInfo(BaseModel):

@@ -147,6 +147,8 @@ def timings(output: RequestOutput) -> Timings:
         predicted_ms=decode_s * 1e3,
         predicted_per_token_ms=decode_s * 1e3 / gaps if gaps > 0 else None,
         predicted_per_second=gaps / decode_s if gaps > 0 and decode_s else None,
+        draft_n=None if output.draft_tokens is None else output.draft_tokens[0],
+        draft_n_accepted=None if output.draft_tokens is None else output.draft_tokens[1],
     )
 
 

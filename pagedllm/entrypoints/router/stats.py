@@ -187,8 +187,9 @@ def _weighted(values: list[float], weights: list[int]) -> float:
 def merge_histories(histories: list[dict[str, list]], block_weights: list[int]) -> dict[str, list]:
     """The replicas' chart columns on shared time slots (see the module docstring).
 
-    Rates and request counts are summed, KV usage weighted by blocks, the hit rate is the mean of
-    the replicas' (a sample carries no counts to pool) and TTFT percentiles the worst replica's.
+    Rates and request counts are summed, KV usage weighted by blocks, the hit rate and the draft
+    acceptance are the means of the replicas' (a sample carries no counts to pool) and TTFT
+    percentiles the worst replica's.
     """
     slots = sorted({math.floor(t / SAMPLE_INTERVAL_S) for h in histories for t in h["time"]})
     columns: dict[str, list] = {name: [] for name in histories[0]}
@@ -208,8 +209,9 @@ def merge_histories(histories: list[dict[str, list]], block_weights: list[int]) 
         for name in _RATES:
             columns[name].append(sum(row[name] for row in rows))
         columns["kv_cache_usage"].append(_weighted([row["kv_cache_usage"] for row in rows], weights))
-        rates = [row["hit_rate"] for row in rows if row["hit_rate"] is not None]
-        columns["hit_rate"].append(sum(rates) / len(rates) if rates else None)
+        for name in ("hit_rate", "draft_acceptance"):
+            rates = [row[name] for row in rows if row[name] is not None]
+            columns[name].append(sum(rates) / len(rates) if rates else None)
         for name in ("ttft_p50", "ttft_p95"):
             known = [row[name] for row in rows if row[name] is not None]
             columns[name].append(max(known) if known else None)
