@@ -70,6 +70,7 @@ def test_history_samples_rates_gauges_and_ttft_per_interval():
         "hit_rate": [0.64],
         "ttft_p50": [2.5],
         "ttft_p95": [pytest.approx(3.4)],
+        "draft_acceptance": [None],  # no speculative decoding: no drafts checked
     }
     now[0] = 1005.0  # an idle engine records nothing: reading takes the due sample
     history = live.snapshot()["history"]

@@ -139,6 +139,22 @@ class SpecDecodeStats:
         """Tokens a checking step gives a request: the accepted drafts and the one after them."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    @classmethod
+    def sum_of_snapshots(cls, snapshots: list[dict]) -> dict | None:
+        """Replicas' /stats views as one (the router's); None when none speculates."""
+        if not snapshots:
+            return None
+        total = cls()
+        for snap in snapshots:
+            total.num_drafts += snap["num_drafts"]
+            total.num_draft_tokens += snap["num_draft_tokens"]
+            total.num_accepted_tokens += snap["num_accepted_tokens"]
+            per_pos = snap["accepted_per_pos"]
+            total.accepted_per_pos += [0] * (len(per_pos) - len(total.accepted_per_pos))
+            for pos, count in enumerate(per_pos):
+                total.accepted_per_pos[pos] += count
+        return total.snapshot()
+
     def snapshot(self) -> dict:
         """/stats' view."""
         return {

@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.router.policy import Replica
 from pagedllm.entrypoints.router.replicas import ReplicaSet
 from pagedllm.metrics.live_stats import SAMPLE_INTERVAL_S, TOP_USERS
-from pagedllm.metrics.stats import PrefixCacheStats
+from pagedllm.metrics.stats import PrefixCacheStats, SpecDecodeStats
 
 _PAGE_DIR = Path(errors.__file__).parent  # the replica's dashboard.html and its static/ chart library
 _SUMMED = ("running", "waiting", "finished", "preemptions", "prompt_tokens_computed", "generation_tokens")
@@ -153,6 +153,9 @@ def merge_stats(snapshots: list[dict]) -> dict:
         phase: _worst([s["latency_s"][phase] for s in snapshots]) for phase in snapshots[0]["latency_s"]
     }
     merged["window"] = sum(s["window"] for s in snapshots)
+    merged["spec_decode"] = SpecDecodeStats.sum_of_snapshots(
+        [s["spec_decode"] for s in snapshots if s.get("spec_decode")]
+    )
     block_weights = [s["kv_cache"]["num_blocks"] for s in snapshots]
     merged["history"] = merge_histories([s["history"] for s in snapshots], block_weights)
     if any("prefix_divergence" in s for s in snapshots):  # replicas started with the analysis on
@@ -210,8 +213,9 @@ def merge_histories(histories: list[dict[str, list]], block_weights: list[int]) 
             columns[name].append(sum(row[name] for row in rows))
         columns["kv_cache_usage"].append(_weighted([row["kv_cache_usage"] for row in rows], weights))
         for name in ("hit_rate", "draft_acceptance"):
-            rates = [row[name] for row in rows if row[name] is not None]
-            columns[name].append(sum(rates) / len(rates) if rates else None)
+            if name in columns:  # (a replica of an older version has no draft_acceptance)
+                rates = [row[name] for row in rows if row.get(name) is not None]
+                columns[name].append(sum(rates) / len(rates) if rates else None)
         for name in ("ttft_p50", "ttft_p95"):
             known = [row[name] for row in rows if row[name] is not None]
             columns[name].append(max(known) if known else None)
