@@ -13,6 +13,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.step_cost import StepCostModel
@@ -273,3 +275,26 @@ def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look():
         timeout=120,
     )
     assert done.returncode != 0 and "unknown key(s) draft_model" in done.stdout + done.stderr
+
+
+def _ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, by brute force: the longest n, its latest earlier occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(0, 5),
+)
+def test_ngram_proposer_matches_its_definition(tokens, min_n, extra, k):
+    proposer = NgramProposer(min_n, min_n + extra)
+    got = proposer.propose("r", np.array(tokens, dtype=np.int32), k)
+    assert got == _ngram_reference(tokens, min_n, min_n + extra, k)
