@@ -96,6 +96,19 @@ def test_speculative_decoding_gives_the_same_outputs(baseline, budget):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_suffix_decoding_gives_the_same_outputs(baseline):
+    """Suffix drafts (from each request's own context and from the outputs before it, the
+    prompts run twice so the second round can draft from the first): the plain path's tokens."""
+    spec = LLM(**TEST_ENGINE_ARGS, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    params = [_without_logprobs(i) for i in range(len(PROMPTS))]
+    lengths = [len(b.outputs[0].token_ids) for b in baseline]
+    for turn in ("first", "second"):
+        outputs = spec.generate(PROMPTS, params, use_tqdm=False)
+        assert_same_or_near_tie(outputs, baseline, f"suffix decoding, {turn} round")
+        assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+    assert spec.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+
+
 def test_speculative_decoding_under_a_tiny_pool_gives_the_same_outputs(baseline):
     tiny = LLM(
         **{**TEST_ENGINE_ARGS, "max_model_len": 160},

@@ -10,6 +10,7 @@ import numpy as np
 
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.spec_decode.suffix import SuffixProposer
 
 
 class Proposer(Protocol):
@@ -25,4 +26,10 @@ class Proposer(Protocol):
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method: {config.method!r} is not built yet")
+    assert config.method == "suffix"  # SpeculativeConfig checked it
+    return SuffixProposer(
+        config.suffix_decoding_max_tree_depth,
+        config.suffix_decoding_max_cached_requests,
+        config.suffix_decoding_max_spec_factor,
+        config.suffix_decoding_min_token_prob,
+    )
