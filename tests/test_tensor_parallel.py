@@ -86,6 +86,8 @@ class Run:
     """SCORED's prompt and sampled logprobs, as (token, logprob) in order."""
     weight_bytes: dict[str, int]
     """Rank 0's weight bytes by how they are held (Q4_0, float32, ...)."""
+    num_accepted_drafts: int
+    """Draft tokens accepted (speculative decoding; 0 without)."""
 
 
 def generate(model: str, **engine_args) -> Run:
@@ -106,6 +108,7 @@ def generate(model: str, **engine_args) -> Run:
         all_reduce=None if tp is None else "gloo" if tp.shm is None else "shared memory",
         scored=[(token, lp.logprob) for p in positions for token, lp in p.items()],
         weight_bytes=weight_bytes,
+        num_accepted_drafts=stats.spec_decode.num_accepted_tokens if stats.spec_decode else 0,
     )
 
 
@@ -134,6 +137,43 @@ def test_tp2_greedy_equals_tp1_token_for_token(tiny_model, tp1, backend, all_red
     run = generate(tiny_model, tensor_parallel_size=2, distributed_executor_backend=backend)
     assert run.all_reduce == all_reduce
     assert_same_output(run, tp1, f"TP=2 ({backend}, {all_reduce})")
+
+
+class OracleProposer:
+    """Drafts from the reference outputs (a random model repeats nothing an n-gram could find):
+    what follows the context's last tokens in the reference, its last token spoiled every other
+    time, so drafts are accepted whole, in part, and not at all."""
+
+    def __init__(self, outputs: list[list[int]]) -> None:
+        self.outputs = outputs
+        self.calls = 0
+
+    def propose(self, req_id: str, token_ids, max_tokens: int) -> list[int]:
+        context = token_ids.tolist()
+        for output in self.outputs:
+            for j in range(len(output) - 1):
+                before = output[max(0, j - 2) : j + 1]
+                if context[len(context) - len(before) :] == before:
+                    draft = output[j + 1 : j + 1 + max_tokens]
+                    self.calls += 1
+                    return [*draft[:-1], draft[-1] + 1] if self.calls % 2 else draft
+        return []
+
+    def finish(self, req_id: str) -> None:
+        pass
+
+
+def test_tp2_with_speculative_decoding_equals_tp1(tiny_model, tp1, monkeypatch):
+    """Draft tokens checked on two ranks: rank 0 proposes and checks, rank 1 computes the same
+    rows (the drafts come with the step) and appends the tokens rank 0 accepted."""
+    from pagedllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "make_proposer", lambda config: OracleProposer(tp1.tokens))
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    run = generate(
+        tiny_model, tensor_parallel_size=2, distributed_executor_backend="mp", speculative_config=spec
+    )
+    assert run.tokens == tp1.tokens and run.num_accepted_drafts > 0
 
 
 def test_a_shut_down_llm_lets_another_start_in_the_same_process(tiny_model, tp1):
