@@ -10,7 +10,8 @@ product, by its row count, to the fastest path.
 Timing: a random weight of the real shape, packed as the path packs it, in enough copies to
 overflow the last-level cache (a decode step streams its weights from memory, not from cache);
 each round times every (path, row count) cell once, rounds interleaved so a busy moment of the
-host hits every cell alike, and each cell keeps its least time. A product of more than
+host hits every cell alike, and each cell keeps its least time; rounds go on until one betters
+no cell by more than SETTLED (or SECONDS_PER_SHAPE is spent). A product of more than
 MAX_TIMED_FLOP is not timed (compute-bound, where the paths differ least, and slow to time): the
 largest timed row count's choice serves it.
 
@@ -27,8 +28,8 @@ second copy; on AMX parts the two differ 2-4x (issue 25), where a second copy pa
 Cache: the timings (not the choices, so a change of rule needs no new timing) per host, in one
 small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
 torch's version, the thread count and oneDNN's ISA settings; later starts time nothing. An
-unreadable file is ignored and rewritten; timings cut short by their time limit (a busy host) are
-used but not kept.
+unreadable file is ignored and rewritten; timings that had not settled when their time ran out (a
+busy host) are used but not kept, so a quieter start times again.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 TOLERANCE = 0.10
 """How much slower than the fastest a path may be at a row count and still serve it."""
 MAX_TIMED_FLOP = 8e9
+"""A vocabulary-sized head's product (~57 MFLOP a row) is timed up to 128 rows."""
 MIN_ROUNDS, MAX_ROUNDS = 3, 8
+SETTLED = 0.05
 SECONDS_PER_SHAPE = 0.3
 """Rounds stop past this once MIN_ROUNDS ran: a model's 4-5 shapes in well under 2 s."""
 FALLBACK = "torch"
@@ -142,8 +145,9 @@ def timed_rows(n: int, k: int) -> list[int]:
 
 class Timing(NamedTuple):
     seconds: Seconds
-    complete: bool
-    """False where the time limit cut the rounds short: used, not cached."""
+    settled: bool
+    """Whether the last round bettered no cell by more than SETTLED: else the host was busy, and
+    the timings are used but not cached."""
 
 
 def time_paths(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
@@ -158,10 +162,10 @@ def time_paths(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequ
         copies[name] = [packed] + [packed.clone() for _ in range(num_copies - 1)]
     inputs = [torch.randn(num_rows, k, generator=gen).to(weight.dtype) for num_rows in rows]
     seconds = {name: [math.inf] * len(rows) for name in paths}
-    started, turn, rounds = time.perf_counter(), 0, 0
+    started, turn, rounds, bettered = time.perf_counter(), 0, 0, True
     with torch.no_grad():
         while rounds < MAX_ROUNDS:
-            improved = False
+            bettered = False
             for i, x in enumerate(inputs):
                 for name, path in paths.items():  # alternating, so both see the same moments
                     packed = copies[name][turn % num_copies]
@@ -169,15 +173,15 @@ def time_paths(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequ
                     start = time.perf_counter()
                     path.run(x, packed, None)
                     elapsed = time.perf_counter() - start
-                    improved |= elapsed < seconds[name][i] * 0.98
+                    bettered |= elapsed < seconds[name][i] * (1 - SETTLED)
                     seconds[name][i] = min(seconds[name][i], elapsed)
             rounds += 1
-            over_time = time.perf_counter() - started > SECONDS_PER_SHAPE
-            if rounds >= MIN_ROUNDS and (not improved or over_time):
+            spent = time.perf_counter() - started
+            if rounds >= MIN_ROUNDS and (not bettered or spent > SECONDS_PER_SHAPE):
                 break
-            if over_time and time.perf_counter() - started > 3 * SECONDS_PER_SHAPE:
+            if spent > 2 * SECONDS_PER_SHAPE:
                 break
-    return Timing(seconds, rounds >= MIN_ROUNDS)
+    return Timing(seconds, not bettered)
 
 
 def host_key() -> str:
@@ -215,6 +219,8 @@ class LinearDispatch:
         self.timer = timer
         self.num_timed = 0
         """Shapes timed by this dispatch (not read from the cache)."""
+        self.num_unsettled = 0
+        """Of those, shapes whose timings had not settled (a busy host): not cached."""
         self.seconds_timing = 0.0
         self._cached: dict[str, Any] | None = None
         self._chosen: dict[tuple[str, str], list[str]] = {}
@@ -243,20 +249,23 @@ class LinearDispatch:
         entry = self._cache()["shapes"].get(key)
         if not _valid(entry, paths, rows):
             self.num_timed += 1
-            seconds, complete = self._time(weight, paths, rows)
+            seconds, settled = self._time(weight, paths, rows)
             plan = plan_from_timings(rows, seconds)
             if len(plan.distinct) > 1:  # a second copy: timed again where it is called for
                 first = best_single(rows, seconds)
                 disputed = [i for i, row_count in enumerate(rows) if plan.path_for(row_count) != first]
-                again, complete_again = self._time(weight, paths, [rows[i] for i in disputed])
+                again, settled_again = self._time(weight, paths, [rows[i] for i in disputed])
                 for name, times in seconds.items():
                     for j, i in enumerate(disputed):
                         times[i] = min(times[i], again[name][j])
-                complete &= complete_again
+                settled &= settled_again
             entry = {"rows": rows, "seconds": seconds}
-            logger.debug("Linear dispatch timed %s: %s", key, entry)
-            if complete:
+            logger.debug("Linear dispatch timed %s (settled: %s): %s", key, settled, entry)
+            self._cache()["shapes"][key] = entry  # this load's other weights of the shape
+            if settled:
                 self._store(key, entry)
+            else:
+                self.num_unsettled += 1
         return plan_from_timings(rows, {name: entry["seconds"][name] for name in paths})
 
     def _time(self, weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
@@ -279,7 +288,6 @@ class LinearDispatch:
         path = self._path()
         cached = _read(path)
         cached["shapes"][key] = entry
-        self._cache()["shapes"][key] = entry
         try:
             _write_whole(path, cached)
         except OSError as err:  # a read-only cache dir: the next start times again
@@ -293,6 +301,8 @@ class LinearDispatch:
             source = f"forced by --linear-backend {self.backend}"
         elif self.num_timed:
             source = f"timed {self.num_timed} shapes in {self.seconds_timing:.1f} s, cached at {self._path()}"
+            if self.num_unsettled:
+                source += f" but for {self.num_unsettled} whose timings had not settled (a busy host?)"
         else:
             source = f"read from {self._path()}" if self._cached is not None else "nothing to time"
         groups = [
