@@ -12,6 +12,8 @@ How a product is computed is chosen once, when the weights are loaded (`choose_i
   hundred rows on the usual orientation is as fast or faster.
 - Off CPU: F.linear.
 
+The timings behind the choice on one host: docs/benchmarks.md, "Measured dispatch (issue 25)".
+
 Tensor parallelism: a column-parallel projection keeps this rank's rows of the output, a
 row-parallel one its columns of the input, and sums the ranks' partial outputs.
 """
@@ -75,7 +77,6 @@ class ByRows:
     """A weight packed for several paths: each product goes to its row count's path (Plan)."""
 
     def __init__(self, plan: Plan, runs: dict[str, LinearImpl], packed: dict[str, torch.Tensor]) -> None:
-        self.plan = plan
         self.starts = plan.starts
         self.routes = [(runs[name], packed[name]) for name in plan.paths]
 
