@@ -25,6 +25,7 @@ Device = Literal["auto", "cpu", "cuda"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 HashAlgo = Literal["sha256", "xxhash"]
 ExecutorBackend = Literal["mp", "ray"]
+LinearBackend = Literal["auto", "few_rows", "onednn", "torch"]
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3  # what vLLM's CPU backend takes when nothing is said
 
@@ -127,6 +128,15 @@ class EngineConfig:
     )
     cpu_cores: str | None = field(
         default=None, metadata=_flag("CPU: pin the process to these cores, e.g. 0-3 or 0,2,4.")
+    )
+    linear_backend: LinearBackend = field(
+        default="auto",
+        metadata=_flag(
+            "CPU: what computes float projections. auto: the few-rows kernel and oneDNN timed on this "
+            "host per weight shape and row count at first start (cached), each product sent to the "
+            "fastest (a weight where neither wins everywhere is packed for both; the log says so). "
+            "few_rows / onednn / torch (unpacked PyTorch matmul) force one wherever it takes the weight."
+        ),
     )
     tensor_parallel_size: int = field(
         default=1,
@@ -333,6 +343,7 @@ _LITERALS = {
     "SchedulingPolicy": SchedulingPolicy,
     "HashAlgo": HashAlgo,
     "ExecutorBackend": ExecutorBackend,
+    "LinearBackend": LinearBackend,
 }
 
 

@@ -25,15 +25,34 @@ def has_fast_bf16() -> bool:
 
 
 @functools.cache
-def describe_host() -> str:
-    """The CPU model, core count and the flags that decide our kernels: for every published figure."""
+def cpu_model_name() -> str:
+    """The first CPU's model name ("unknown CPU" where /proc/cpuinfo does not say)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         lines = []
-    model = next(
+    return next(
         (line.partition(":")[2].strip() for line in lines if line.startswith("model name")), "unknown CPU"
     )
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The largest cache of the first CPU (its L3, usually); 32 MiB where sysfs does not say."""
+    sizes = []
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size_file.read_text().strip().upper()
+        scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 * 1024**2)
+
+
+@functools.cache
+def describe_host() -> str:
+    """The CPU model, core count and the flags that decide our kernels: for every published figure."""
+    model = cpu_model_name()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
     flags = ", ".join(flag for flag in wanted if flag in cpu_flags()) or "none of avx2/avx512/amx"
     return f"{model}, {os.cpu_count()} cores, {flags}"

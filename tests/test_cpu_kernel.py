@@ -352,16 +352,17 @@ def test_few_rows_linear_rejects_a_weight_it_cannot_pack():
 
 
 def test_linear_packed_for_the_few_rows_kernel_answers_every_row_count():
-    """Where the CPU serves bfloat16 through few_rows_linear, a Linear packs its weight for it
-    (the same bytes, no second copy) and answers decode-sized and prompt-sized batches alike,
-    within one bfloat16 rounding of the exact product."""
+    """Where the CPU serves bfloat16 through few_rows_linear, a Linear sent there packs its weight
+    for it (the same bytes, no second copy) and answers decode-sized and prompt-sized batches
+    alike, within one bfloat16 rounding of the exact product."""
     from pagedllm.layers.linear import Linear
+    from pagedllm.layers.linear_dispatch import LinearDispatch
 
     layer = Linear(576, 960, bias=False).to(torch.bfloat16)
     if not cpu_ops.serves_few_rows_linear(layer.weight):
-        pytest.skip("this CPU has no few-rows kernel for bfloat16 (or has AMX)")
+        pytest.skip("this CPU has no few-rows kernel for bfloat16")
     plain = layer.weight.detach().clone()
-    layer.choose_impl(layer.weight.device, layer.weight.dtype)
+    layer.choose_impl(layer.weight.device, layer.weight.dtype, LinearDispatch("few_rows"))
     assert layer.impl is cpu_ops.few_rows_linear
     assert layer.weight.numel() * layer.weight.element_size() == plain.numel() * 2
     gen = torch.Generator().manual_seed(2)

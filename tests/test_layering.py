@@ -18,6 +18,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "outputs",
         "sampling_params",
         "cpu_features",
+        "cache_dir",
         "flags",
         "config",
         "workload",

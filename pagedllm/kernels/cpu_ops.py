@@ -263,17 +263,13 @@ def serves_rotary_write_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def serves_few_rows_linear(weight: torch.Tensor) -> bool:
-    """Whether few_rows_linear takes this [N, K] weight on this CPU (N a multiple of 16): bfloat16
-    with AVX512-BF16 but no AMX, whose tiles stay with oneDNN (K even); float32 with AVX2 + FMA
-    (AVX-512 where the CPU has it)."""
+    """Whether few_rows_linear can take this [N, K] weight on this CPU (N a multiple of 16):
+    bfloat16 with AVX512-BF16 (K even); float32 with AVX2 + FMA (AVX-512 where the CPU has it).
+    Whether it should is layers/linear_dispatch.py's question, answered by timing."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 16 or not is_built():
         return False
     if weight.dtype == torch.bfloat16:
-        return (
-            weight.shape[1] % 2 == 0
-            and "amx_bf16" not in cpu_flags()
-            and torch.ops.pagedllm.few_rows_linear_available("bfloat16")
-        )
+        return weight.shape[1] % 2 == 0 and torch.ops.pagedllm.few_rows_linear_available("bfloat16")
     return weight.dtype == torch.float32 and torch.ops.pagedllm.few_rows_linear_available("float32")
 
 

@@ -2,18 +2,17 @@
 
 How a product is computed is chosen once, when the weights are loaded (`choose_impl`):
 
-- Where cpu_ops.few_rows_linear serves the CPU and dtype (bfloat16 with AVX512-BF16 but no AMX;
-  float32 with AVX2 or AVX-512), the weight is packed for it, and it computes every product: it
-  streams the weight at close to the machine's bandwidth where oneDNN reaches about two thirds of
-  it, and keeps its sums in registers as the rows grow, about oneDNN's speed for prompts.
-- Elsewhere on CPU in float32, and in bfloat16 where the CPU has bfloat16 instructions (AMX: its
-  tiles), the weight is packed into oneDNN's blocked layout and multiplied with oneDNN (the path
-  torch.compile's CPU backend takes).
-- Unpacked on CPU, few-row products (decode steps) go as W @ Xᵀ, which MKL streams from memory
-  better than X @ Wᵀ; from about a hundred rows on the usual orientation is as fast or faster.
+- A quantized weight is packed for the integer kernel (cpu_ops.quant_linear).
+- A float weight on CPU goes where layers/linear_dispatch.py says, by the product's row count:
+  the few-rows kernel (cpu_ops.few_rows_linear: streams the weight at close to the machine's
+  bandwidth, made for decode steps) or oneDNN on its blocked layout (the path torch.compile's CPU
+  backend takes), each timed on this host at first start, or forced by --linear-backend.
+- A weight neither packs (float16; bfloat16 without bfloat16 instructions) stays unpacked:
+  few-row products go as W @ Xᵀ, which MKL streams from memory better than X @ Wᵀ; from about a
+  hundred rows on the usual orientation is as fast or faster.
 - Off CPU: F.linear.
 
-The timings behind each choice: docs/benchmarks.md, "Figures behind choices in the code".
+The timings behind the choice on one host: docs/benchmarks.md, "Measured dispatch (issue 25)".
 
 Tensor parallelism: a column-parallel projection keeps this rank's rows of the output, a
 row-parallel one its columns of the input, and sums the ranks' partial outputs.
@@ -21,7 +20,7 @@ row-parallel one its columns of the input, and sums the ranks' partial outputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +29,10 @@ from torch import nn
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.linear_dispatch import FALLBACK, LinearDispatch, LinearImpl, LinearPath, Plan
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, join_rows
 
 _FEW_ROWS = 96
-
-LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,6 +59,31 @@ def can_pack_onednn(weight: torch.Tensor) -> bool:
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
     """The same [out_features, in_features] weight in oneDNN's layout for onednn_linear."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def cpu_paths(weight: torch.Tensor) -> dict[str, LinearPath]:
+    """The paths that can take this float weight on CPU, in order of preference: the few-rows
+    kernel (one copy of the weight streamed per product), oneDNN, and the unpacked weight."""
+    paths = {}
+    if cpu_ops.serves_few_rows_linear(weight):
+        paths["few_rows"] = LinearPath(cpu_ops.pack_few_rows, cpu_ops.few_rows_linear)
+    if can_pack_onednn(weight):
+        paths["onednn"] = LinearPath(pack_onednn, onednn_linear)
+    paths[FALLBACK] = LinearPath(torch.Tensor.detach, cpu_linear)
+    return paths
+
+
+class ByRows:
+    """A weight packed for several paths: each product goes to its row count's path (Plan)."""
+
+    def __init__(self, plan: Plan, runs: dict[str, LinearImpl], packed: dict[str, torch.Tensor]) -> None:
+        self.starts = plan.starts
+        self.routes = [(runs[name], packed[name]) for name in plan.paths]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`weight`: the module's, one of the copies held here."""
+        run, packed = self.routes[bisect.bisect_right(self.starts, x.shape[0]) - 1]
+        return run(x, packed, bias)
 
 
 def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -121,11 +144,14 @@ class Linear(nn.Linear):
         """Hold `weight` (None: the float weight) from now on; the loader's --quantization policy."""
         self.quantized_parts = {} if weight is None else {0: weight}
 
-    def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Pack the weight for the integer kernel (quantized), the few-rows kernel or oneDNN
-        where that serves this CPU and dtype. A weight shared with another module (a tied
-        lm_head) is replaced here by its packed copy, so the other module keeps its plain tensor.
-        A quantized weight no kernel here takes is dequantized into the float weight."""
+    def choose_impl(
+        self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch | None = None
+    ) -> None:
+        """Pack the weight for the integer kernel (quantized), or for the path(s) `dispatch`
+        plans for a float weight on CPU (default: timed, cached on disk). A weight shared with
+        another module (a tied lm_head) is replaced here by its packed copy, so the other module
+        keeps its plain tensor. A quantized weight no kernel here takes is dequantized into the
+        float weight."""
         quantized, parts = self.quantized, self.quantized_parts.values()
         self.quantized_parts = {}
         if quantized is not None:
@@ -147,16 +173,26 @@ class Linear(nn.Linear):
                 part.release_file_pages()
             if self.weight_format:
                 return
-        if device.type != "cpu":
+        if device.type == "cpu":
+            self._pack_for(dispatch or LinearDispatch(), cpu_paths(self.weight))
+
+    def _pack_for(self, dispatch: LinearDispatch, paths: dict[str, LinearPath]) -> None:
+        """Pack the float weight for each path its plan uses; a second copy is a parameter too
+        (`other_weights`), so the weights' reported size counts it."""
+        plan = dispatch.plan(self.weight, paths)
+        plain = self.weight.detach()
+        packed = {name: paths[name].pack(plain) for name in plan.distinct}
+        first, *others = plan.distinct
+        if first != FALLBACK:  # unpacked, the weight stays the module's own (a tied head's shared one)
+            self.weight = nn.Parameter(packed[first], requires_grad=False)
+        if not others:
+            self.impl = paths[first].run
             return
-        if cpu_ops.serves_few_rows_linear(self.weight):
-            self.weight = nn.Parameter(cpu_ops.pack_few_rows(self.weight.detach()), requires_grad=False)
-            self.impl = cpu_ops.few_rows_linear
-        elif can_pack_onednn(self.weight):
-            self.weight = nn.Parameter(pack_onednn(self.weight), requires_grad=False)
-            self.impl = onednn_linear
-        else:
-            self.impl = cpu_linear
+        self.other_weights = nn.ParameterList(
+            nn.Parameter(packed[name], requires_grad=False) for name in others
+        )
+        packed = {first: self.weight} | dict(zip(others, self.other_weights, strict=True))
+        self.impl = ByRows(plan, {name: paths[name].run for name in plan.distinct}, packed)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         """Copy a checkpoint tensor into `param` (this rank's part of it, for split layers)."""

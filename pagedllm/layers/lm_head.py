@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.linear import Linear, Loaded, rows_of
+from pagedllm.layers.linear_dispatch import LinearDispatch
 from pagedllm.layers.quantization import BlockQuantized
 
 
@@ -38,11 +39,13 @@ class ParallelLMHead(Linear):
         """Compute from the embedding's quantized table (this rank's rows of it when split)."""
         self.set_quantized(table if not self.vocab_parallel else self._rows(table))
 
-    def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
+    def choose_impl(
+        self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch | None = None
+    ) -> None:
         if not self.is_computed_here:
             return  # rank 0 alone computes logits: no packed copy here
         before = self.weight
-        super().choose_impl(device, dtype)
+        super().choose_impl(device, dtype, dispatch)
         if self.is_tied and self.weight is not before:
             self.packed_copy_bytes = self.weight.numel() * self.weight.element_size()
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pagedllm.cache_dir import cache_root
 
 CONVERTER_VERSION = "2"
 GGUF_SOURCE = "gguf_source.txt"
@@ -41,10 +42,6 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
 
 
 def _cache_folder(path: Path) -> Path:

@@ -24,6 +24,7 @@ from torch import nn
 
 from pagedllm.attention.backend import Attention, CosSin, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import LinearBackend
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers import choose_impls
 from pagedllm.layers.activation import SiluAndMul
@@ -126,15 +127,15 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens.weight)
 
-    def prepare(self, dtype: torch.dtype) -> int:
+    def prepare(self, dtype: torch.dtype, linear_backend: LinearBackend = "auto") -> int:
         """Have every layer choose how it computes on this device and `dtype` (packing projection
         weights where that pays, quantized ones for the integer kernel); once, after loading.
         Returns the bytes this adds: a tied lm_head gets its own packed copy, since the embedding
-        lookup needs the plain (or compact quantized) table."""
+        lookup needs the plain (or compact quantized) table. `linear_backend`: --linear-backend."""
         table = self.embed_tokens.quantized
         if self.config.tie_word_embeddings and table is not None:
             self.lm_head.tie_quantized(table)
-        choose_impls(self, self.norm.weight.device, dtype)
+        choose_impls(self, self.norm.weight.device, dtype, linear_backend)
         return self.lm_head.packed_copy_bytes
 
     def forward(

@@ -105,7 +105,7 @@ class Worker:
             self.tp,
             self.config.quantization,
         )
-        self.packed_copy_bytes = self.model.prepare(self.dtype)
+        self.packed_copy_bytes = self.model.prepare(self.dtype, self.config.linear_backend)
 
     def plan_kv_cache(self, max_model_len: int) -> KVCachePlan:
         """This rank's cache: its budget in blocks of its share of the KV heads; with tensor

@@ -1,0 +1,366 @@
+"""Which path computes a float projection on CPU, chosen by timing the candidates on this host.
+
+The few-rows kernel streams a weight once whatever the rows and beats oneDNN on decode-sized
+batches where it was measured; oneDNN can win for prompts, and on AMX parts from ~16 rows
+(issue 25). A rule by CPU name was wrong on hosts nobody had measured, so at first use each
+distinct (dtype, out_features, in_features) shape is timed through every path that can take it
+at the row counts steps produce (ROW_COUNTS), and every projection of that shape sends each
+product, by its row count, to the fastest path.
+
+Timing: a random weight of the real shape, packed as the path packs it, in enough copies to
+overflow the last-level cache (a decode step streams its weights from memory, not from cache);
+each round times every (path, row count) cell once, rounds interleaved so a busy moment of the
+host hits every cell alike, and each cell keeps its least time; rounds go on until one betters
+no cell by more than SETTLED (or SECONDS_PER_SHAPE is spent). A product of more than
+MAX_TIMED_FLOP is not timed (compute-bound, where the paths differ least, and slow to time): the
+largest timed row count's choice serves it.
+
+Memory: a weight is packed for one path, the one whose worst ratio to the fastest over the row
+counts is smallest (the caller's order of preference breaks ties), when that ratio is within
+TOLERANCE. Only where it is not, the weight is also packed for the path that beats it there:
+a second copy (twice the weight's memory), which the start-up log names with the bytes it adds
+(`--linear-backend few_rows|onednn` keeps one copy). Such a plan is timed again at the row
+counts that call for it first, so a busy moment of the host does not cost memory. TOLERANCE is
+10%: the spread between two timings of one cell on a shared 2-vCPU host, and about what
+oneDNN gains on the few-rows kernel at prompt sizes on AVX512-BF16 without AMX, not worth a
+second copy; on AMX parts the two differ 2-4x (issue 25), where a second copy pays.
+
+Cache: the timings (not the choices, so a change of rule needs no new timing) per host, in one
+small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
+torch's version, the thread count and oneDNN's ISA settings; later starts time nothing. An
+unreadable file is ignored and rewritten; timings that had not settled when their time ran out (a
+busy host) are used but not kept, so a quieter start times again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from pagedllm.cache_dir import cache_root
+from pagedllm.config import LinearBackend
+from pagedllm.cpu_features import cpu_flags, cpu_model_name, last_level_cache_bytes
+from pagedllm.kernels import cpu_ops
+
+logger = logging.getLogger(__name__)
+
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+"""Decode steps of 1 to 128 requests, and a prompt chunk."""
+TOLERANCE = 0.10
+"""How much slower than the fastest a path may be at a row count and still serve it."""
+MAX_TIMED_FLOP = 8e9
+"""A vocabulary-sized head's product (~57 MFLOP a row) is timed up to 128 rows."""
+MIN_ROUNDS, MAX_ROUNDS = 3, 8
+SETTLED = 0.05
+SECONDS_PER_SHAPE = 0.3
+"""Rounds stop past this once MIN_ROUNDS ran: a model's 4-5 shapes in well under 2 s."""
+FALLBACK = "torch"
+"""The path that takes any weight (unpacked): used alone where no other takes it."""
+
+LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Seconds = dict[str, list[float]]
+"""Per path, the least seconds of one product at each timed row count."""
+
+
+class LinearPath(NamedTuple):
+    """A way to compute x @ Wᵀ (+ b): the weight packed once, then one call per product."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    run: LinearImpl
+
+
+@dataclass(frozen=True)
+class Plan:
+    """paths[i] computes products of starts[i] rows and more (up to starts[i + 1])."""
+
+    starts: tuple[int, ...]
+    paths: tuple[str, ...]
+
+    def path_for(self, num_rows: int) -> str:
+        return self.paths[bisect.bisect_right(self.starts, num_rows) - 1]
+
+    @property
+    def distinct(self) -> tuple[str, ...]:
+        """The paths the weight is packed for, in order of first use."""
+        return tuple(dict.fromkeys(self.paths))
+
+    def describe(self) -> str:
+        if len(self.paths) == 1:
+            return f"{self.paths[0]} at every row count"
+        parts = [f"{self.paths[0]} below {self.starts[1]} rows"]
+        for i in range(1, len(self.paths)):
+            to = f" to {self.starts[i + 1] - 1}" if i + 1 < len(self.paths) else ""
+            parts.append(f"{self.paths[i]} from {self.starts[i]}{to}")
+        return ", ".join(parts)
+
+
+def single(path: str) -> Plan:
+    return Plan((0,), (path,))
+
+
+def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]]) -> Plan:
+    """The plan for these timings (paths in order of preference): the best single path (smallest
+    worst ratio to the fastest) where it is within TOLERANCE at every row count; else, at each row
+    count, that path where it is within TOLERANCE, the fastest where it is not. Either way no row
+    count gets a path more than TOLERANCE slower than the fastest timed there."""
+    first = best_single(rows, seconds)
+    fastest = [min(times[i] for times in seconds.values()) for i in range(len(rows))]
+    chosen = [
+        first
+        if seconds[first][i] <= fastest[i] * (1 + TOLERANCE)
+        else min(seconds, key=lambda name: seconds[name][i])
+        for i in range(len(rows))
+    ]
+    starts, paths = [0], [chosen[0]]
+    for row_count, name in zip(rows[1:], chosen[1:], strict=True):
+        if name != paths[-1]:
+            starts.append(row_count)
+            paths.append(name)
+    return Plan(tuple(starts), tuple(paths))
+
+
+def best_single(rows: Sequence[int], seconds: Mapping[str, Sequence[float]]) -> str:
+    """The path whose worst ratio to the fastest over the row counts is smallest; the first on ties."""
+    fastest = [min(times[i] for times in seconds.values()) for i in range(len(rows))]
+    return min(seconds, key=lambda name: max(t / f for t, f in zip(seconds[name], fastest, strict=True)))
+
+
+def timed_rows(n: int, k: int) -> list[int]:
+    """The row counts timed for an [n, k] weight: those whose product is cheap enough to time."""
+    return [rows for rows in ROW_COUNTS if rows == 1 or 2 * n * k * rows <= MAX_TIMED_FLOP]
+
+
+class Timing(NamedTuple):
+    seconds: Seconds
+    settled: bool
+    """Whether the last round bettered no cell by more than SETTLED: else the host was busy, and
+    the timings are used but not cached."""
+
+
+def time_paths(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
+    """Least seconds of each path's product at each row count, on random data of weight's shape."""
+    n, k = weight.shape
+    gen = torch.Generator().manual_seed(0)
+    plain = (torch.randn(n, k, generator=gen) * 0.05).to(weight.dtype)
+    num_copies = min(64, math.ceil(2 * last_level_cache_bytes() / (plain.numel() * plain.element_size())))
+    copies = {}
+    for name, path in paths.items():
+        packed = path.pack(plain)
+        copies[name] = [packed] + [packed.clone() for _ in range(num_copies - 1)]
+    inputs = [torch.randn(num_rows, k, generator=gen).to(weight.dtype) for num_rows in rows]
+    seconds = {name: [math.inf] * len(rows) for name in paths}
+    started, turn, rounds, bettered = time.perf_counter(), 0, 0, True
+    with torch.no_grad():
+        while rounds < MAX_ROUNDS:
+            bettered = False
+            for i, x in enumerate(inputs):
+                for name, path in paths.items():  # alternating, so both see the same moments
+                    packed = copies[name][turn % num_copies]
+                    turn += 1
+                    start = time.perf_counter()
+                    path.run(x, packed, None)
+                    elapsed = time.perf_counter() - start
+                    bettered |= elapsed < seconds[name][i] * (1 - SETTLED)
+                    seconds[name][i] = min(seconds[name][i], elapsed)
+            rounds += 1
+            spent = time.perf_counter() - started
+            if rounds >= MIN_ROUNDS and (not bettered or spent > SECONDS_PER_SHAPE):
+                break
+            if spent > 2 * SECONDS_PER_SHAPE:
+                break
+    return Timing(seconds, not bettered)
+
+
+def host_key() -> str:
+    """What decides the timings besides the shape: one cache file per distinct value."""
+    return "; ".join(
+        [
+            cpu_model_name(),
+            " ".join(sorted(cpu_flags())),
+            f"torch {torch.__version__}",
+            f"{torch.get_num_threads()} threads",
+            cpu_ops.build_name(),
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')}",
+            f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')}",
+        ]
+    )
+
+
+def default_cache_path() -> Path:
+    digest = hashlib.sha256(host_key().encode()).hexdigest()[:16]
+    return cache_root() / "linear_dispatch" / f"{digest}.json"
+
+
+class LinearDispatch:
+    """The choices of one model's projections (one per model load): `plan` per weight, then
+    `log_summary` once. `backend`: auto (timed), or the path every weight takes where it can."""
+
+    def __init__(
+        self,
+        backend: LinearBackend = "auto",
+        cache_path: Path | None = None,
+        timer: Callable[[torch.Tensor, Mapping[str, LinearPath], Sequence[int]], Timing] = time_paths,
+    ) -> None:
+        self.backend = backend
+        self.cache_path = cache_path
+        self.timer = timer
+        self.num_timed = 0
+        """Shapes timed by this dispatch (not read from the cache)."""
+        self.num_unsettled = 0
+        """Of those, shapes whose timings had not settled (a busy host): not cached."""
+        self.seconds_timing = 0.0
+        self._cached: dict[str, Any] | None = None
+        self._chosen: dict[tuple[str, str], list[str]] = {}
+        """(dtype, plan description) -> the shapes given it, one entry per weight."""
+        self._extra_bytes = 0
+
+    def plan(self, weight: torch.Tensor, paths: Mapping[str, LinearPath]) -> Plan:
+        """The plan for an [N, K] float weight; `paths`: those that can take it, in order of
+        preference, FALLBACK last."""
+        shape = f"{weight.shape[0]}x{weight.shape[1]}"
+        dtype = str(weight.dtype).removeprefix("torch.")
+        if self.backend != "auto":
+            plan = single(self.backend if self.backend in paths else FALLBACK)
+        else:
+            candidates = {name: path for name, path in paths.items() if name != FALLBACK}
+            if len(candidates) > 1:
+                plan = self._timed_plan(weight, f"{dtype} {shape}", candidates)
+            else:
+                plan = single(next(iter(candidates), FALLBACK))
+        self._chosen.setdefault((dtype, plan.describe()), []).append(shape)
+        self._extra_bytes += (len(plan.distinct) - 1) * weight.numel() * weight.element_size()
+        return plan
+
+    def _timed_plan(self, weight: torch.Tensor, key: str, paths: Mapping[str, LinearPath]) -> Plan:
+        rows = timed_rows(*weight.shape)
+        entry = self._cache()["shapes"].get(key)
+        if not _valid(entry, paths, rows):
+            self.num_timed += 1
+            seconds, settled = self._time(weight, paths, rows)
+            plan = plan_from_timings(rows, seconds)
+            if len(plan.distinct) > 1:  # a second copy: timed again where it is called for
+                first = best_single(rows, seconds)
+                disputed = [i for i, row_count in enumerate(rows) if plan.path_for(row_count) != first]
+                again, settled_again = self._time(weight, paths, [rows[i] for i in disputed])
+                for name, times in seconds.items():
+                    for j, i in enumerate(disputed):
+                        times[i] = min(times[i], again[name][j])
+                settled &= settled_again
+            entry = {"rows": rows, "seconds": seconds}
+            logger.debug("Linear dispatch timed %s (settled: %s): %s", key, settled, entry)
+            self._cache()["shapes"][key] = entry  # this load's other weights of the shape
+            if settled:
+                self._store(key, entry)
+            else:
+                self.num_unsettled += 1
+        return plan_from_timings(rows, {name: entry["seconds"][name] for name in paths})
+
+    def _time(self, weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
+        started = time.perf_counter()
+        timing = self.timer(weight, paths, rows)
+        self.seconds_timing += time.perf_counter() - started
+        return timing
+
+    def _path(self) -> Path:
+        return self.cache_path or default_cache_path()
+
+    def _cache(self) -> dict[str, Any]:
+        if self._cached is None:
+            self._cached = _read(self._path())
+        return self._cached
+
+    def _store(self, key: str, entry: dict[str, Any]) -> None:
+        """Add `entry` to the file as it is now (another rank may have written it meanwhile),
+        replaced whole: a reader sees the old file or the new, never half of one."""
+        path = self._path()
+        cached = _read(path)
+        cached["shapes"][key] = entry
+        try:
+            _write_whole(path, cached)
+        except OSError as err:  # a read-only cache dir: the next start times again
+            logger.warning("Linear dispatch: could not cache the timings at %s: %s", path, err)
+
+    def summary(self) -> str | None:
+        """One line: where the choices come from and, per dtype and plan, the shapes given it."""
+        if not self._chosen:
+            return None
+        if self.backend != "auto":
+            source = f"forced by --linear-backend {self.backend}"
+        elif self.num_timed:
+            source = f"timed {self.num_timed} shapes in {self.seconds_timing:.1f} s, cached at {self._path()}"
+            if self.num_unsettled:
+                source += f" but for {self.num_unsettled} whose timings had not settled (a busy host?)"
+        else:
+            source = f"read from {self._path()}" if self._cached is not None else "nothing to time"
+        groups = [
+            f"{dtype} {description}: "
+            + ", ".join(f"{shape} x{shapes.count(shape)}" for shape in dict.fromkeys(shapes))
+            for (dtype, description), shapes in self._chosen.items()
+        ]
+        extra = ""
+        if self._extra_bytes:
+            extra = (
+                f"; weights packed for two paths take {self._extra_bytes / 2**20:.1f} MiB more "
+                "(--linear-backend few_rows or onednn keeps one copy)"
+            )
+        return f"Linear dispatch ({source}): {'; '.join(groups)}{extra}"
+
+    def log_summary(self) -> None:
+        line = self.summary()
+        if line is not None:
+            logger.info("%s", line)
+
+
+def _valid(entry: object, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> bool:
+    """A cached entry times exactly these paths at these rows, with positive numbers."""
+    if not isinstance(entry, dict) or entry.get("rows") != list(rows):
+        return False
+    seconds = entry.get("seconds")
+    return (
+        isinstance(seconds, dict)
+        and set(seconds) == set(paths)
+        and all(
+            isinstance(times, list)
+            and len(times) == len(rows)
+            and all(isinstance(t, int | float) and 0 < t < math.inf for t in times)
+            for times in seconds.values()
+        )
+    )
+
+
+def _write_whole(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as file:
+            json.dump(data, file, indent=1)
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The cache file's contents; an empty cache where it is missing or unreadable."""
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = None
+    if not isinstance(cached, dict) or not isinstance(cached.get("shapes"), dict):
+        if path.exists():
+            logger.warning("Linear dispatch: ignoring the unreadable cache %s (it will be rewritten)", path)
+        return {"host": host_key(), "shapes": {}}
+    return cached

@@ -1,0 +1,198 @@
+"""Float projections on CPU dispatched by timing (layers/linear_dispatch.py): the plan follows the
+timings it is given, is cached on disk per host and reused, survives a corrupt cache, says what it
+chose, yields to --linear-backend, and every path gives the same greedy tokens. No test asserts a
+timing: fake timers stand in where the choice matters."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers import choose_impls
+from pagedllm.layers.linear import ByRows, Linear, cpu_linear, cpu_paths, onednn_linear
+from pagedllm.layers.linear_dispatch import (
+    ROW_COUNTS,
+    TOLERANCE,
+    LinearDispatch,
+    Timing,
+    plan_from_timings,
+    timed_rows,
+)
+
+from .helpers import TEST_ENGINE_ARGS
+
+CPU = torch.device("cpu")
+
+
+def _fake_timer(by_path: dict[str, list[float]]):
+    """A timer answering `by_path` (seconds per ROW_COUNTS entry) and counting its calls."""
+
+    def timer(weight, paths, rows):
+        timer.calls += 1
+        return Timing({name: [by_path[name][ROW_COUNTS.index(r)] for r in rows] for name in paths}, True)
+
+    timer.calls = 0
+    return timer
+
+
+ONEDNN_WINS_FROM_64 = {  # few_rows 2x faster up to 32 rows, 2x slower from 64
+    "few_rows": [1, 1, 1, 1, 1, 1, 4, 8, 32],
+    "onednn": [2, 2, 2, 2, 2, 2, 2, 4, 16],
+}
+
+
+def _both_paths(weight: torch.Tensor) -> None:
+    if set(cpu_paths(weight)) != {"few_rows", "onednn", "torch"}:
+        pytest.skip(f"this CPU build packs {weight.dtype} for one path only")
+
+
+def test_the_plan_sends_each_row_count_to_the_fastest_path():
+    plan = plan_from_timings(ROW_COUNTS, ONEDNN_WINS_FROM_64)
+    assert plan.describe() == "few_rows below 64 rows, onednn from 64"
+    assert [plan.path_for(rows) for rows in (0, 1, 32, 63, 64, 500, 4096)] == (
+        ["few_rows"] * 4 + ["onednn"] * 3
+    )
+
+
+def test_one_path_within_tolerance_everywhere_keeps_one_copy():
+    close = {"few_rows": [1.0] * 9, "onednn": [1.2] * 8 + [1 / (1 + TOLERANCE / 2)]}
+    assert plan_from_timings(ROW_COUNTS, close).paths == ("few_rows",)
+    tied = {"few_rows": [1.0] * 9, "onednn": [1.0] * 9}
+    assert plan_from_timings(ROW_COUNTS, tied).paths == ("few_rows",)  # ties: the order of preference
+    reverse = {"few_rows": [2.0] * 9, "onednn": [1.0] * 9}
+    assert plan_from_timings(ROW_COUNTS, reverse).paths == ("onednn",)  # no preference against a clear win
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(1e-6, 1.0), st.floats(1e-6, 1.0), st.floats(1e-6, 1.0)),
+        min_size=1,
+        max_size=len(ROW_COUNTS),
+    )
+)
+def test_no_row_count_gets_a_path_slower_than_the_best_timed_there(table):
+    rows = ROW_COUNTS[: len(table)]
+    seconds = {name: [cell[j] for cell in table] for j, name in enumerate(("few_rows", "onednn", "torch"))}
+    plan = plan_from_timings(rows, seconds)
+    for i, num_rows in enumerate(rows):
+        fastest = min(times[i] for times in seconds.values())
+        assert seconds[plan.path_for(num_rows)][i] <= fastest * (1 + TOLERANCE)
+    fastest_everywhere = [name for name, times in seconds.items() if times == [min(cell) for cell in table]]
+    if fastest_everywhere:  # one copy then
+        assert len(plan.distinct) == 1
+
+
+def test_costly_products_are_not_timed():
+    assert timed_rows(576, 576) == list(ROW_COUNTS)
+    assert max(timed_rows(49152, 576)) == 128  # a vocabulary-sized head stops where a step's rows do
+
+
+def test_the_timings_are_cached_on_disk_and_reused(tmp_path):
+    weight = torch.zeros(48, 64)
+    _both_paths(weight)
+    cache = tmp_path / "dispatch.json"
+    timer = _fake_timer(ONEDNN_WINS_FROM_64)
+    first = LinearDispatch(cache_path=cache, timer=timer)
+    plan = first.plan(weight, cpu_paths(weight))
+    assert first.plan(weight, cpu_paths(weight)) == plan  # same shape: timed once
+    entry = json.loads(cache.read_text())["shapes"]["float32 48x64"]
+    assert entry["rows"] == list(ROW_COUNTS) and set(entry["seconds"]) == {"few_rows", "onednn"}
+    calls = timer.calls  # the timing, and its second look at the row counts that want onednn
+    later = LinearDispatch(cache_path=cache, timer=timer)
+    assert later.plan(weight, cpu_paths(weight)) == plan
+    assert timer.calls == calls and later.num_timed == 0
+    assert f"read from {cache}" in later.summary()
+
+
+def test_a_corrupt_cache_is_ignored_and_rewritten(tmp_path, caplog):
+    weight = torch.zeros(48, 64)
+    _both_paths(weight)
+    cache = tmp_path / "dispatch.json"
+    cache.write_text('{"shapes": {"float32 48x64": {"rows": [1], "sec')
+    timer = _fake_timer(ONEDNN_WINS_FROM_64)
+    with caplog.at_level(logging.WARNING):
+        plan = LinearDispatch(cache_path=cache, timer=timer).plan(weight, cpu_paths(weight))
+    assert timer.calls >= 1 and plan.distinct == ("few_rows", "onednn")
+    assert "ignoring the unreadable cache" in caplog.text
+    assert "float32 48x64" in json.loads(cache.read_text())["shapes"]
+    cache.write_text(json.dumps({"shapes": {"float32 48x64": {"rows": list(ROW_COUNTS), "seconds": "x"}}}))
+    assert LinearDispatch(cache_path=cache, timer=timer).plan(weight, cpu_paths(weight)) == plan
+
+
+def test_timings_that_had_not_settled_are_used_but_not_cached(tmp_path):
+    weight = torch.zeros(48, 64)
+    _both_paths(weight)
+    cache = tmp_path / "dispatch.json"
+    timer = _fake_timer(ONEDNN_WINS_FROM_64)
+    busy = lambda *args: Timing(timer(*args).seconds, False)  # noqa: E731
+    dispatch = LinearDispatch(cache_path=cache, timer=busy)
+    assert dispatch.plan(weight, cpu_paths(weight)).distinct == ("few_rows", "onednn")
+    assert not cache.exists() and "1 whose timings had not settled" in dispatch.summary()
+    LinearDispatch(cache_path=cache, timer=timer).plan(weight, cpu_paths(weight))
+    assert "float32 48x64" in json.loads(cache.read_text())["shapes"]  # a quiet start caches them
+
+
+def test_a_weight_packed_for_two_paths_answers_at_every_row_count(tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    layer = Linear(64, 48, bias=True)
+    _both_paths(layer.weight)
+    plain = layer.weight.detach().clone()
+    dispatch = LinearDispatch(cache_path=tmp_path / "d.json", timer=_fake_timer(ONEDNN_WINS_FROM_64))
+    layer.choose_impl(CPU, torch.float32, dispatch)
+    assert isinstance(layer.impl, ByRows) and len(layer.other_weights) == 1
+    for rows in (1, 63, 64, 200):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), F.linear(x, plain, layer.bias), rtol=1e-5, atol=1e-5)
+    assert "weights packed for two paths take" in dispatch.summary()
+
+
+@pytest.mark.parametrize("backend", ["few_rows", "onednn", "torch"])
+def test_the_backend_flag_forces_the_path(backend, tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear(64, 48, bias=True)
+    if backend not in cpu_paths(layer.weight):
+        pytest.skip(f"{backend} cannot take a float32 weight on this CPU build")
+    plain = layer.weight.detach().clone()
+    timer = _fake_timer(ONEDNN_WINS_FROM_64)
+    dispatch = LinearDispatch(backend, cache_path=tmp_path / "d.json", timer=timer)
+    layer.choose_impl(CPU, torch.float32, dispatch)
+    expected = {"few_rows": cpu_ops.few_rows_linear, "onednn": onednn_linear, "torch": cpu_linear}
+    assert layer.impl is expected[backend] and timer.calls == 0
+    for rows in (1, 200):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), F.linear(x, plain, layer.bias), rtol=1e-5, atol=1e-5)
+    assert f"forced by --linear-backend {backend}" in dispatch.summary()
+
+
+def test_choose_impls_times_each_shape_once_and_logs_the_choice(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    layers = torch.nn.Sequential(Linear(64, 48), Linear(64, 48), Linear(32, 16))
+    with caplog.at_level(logging.INFO, logger="pagedllm.layers.linear_dispatch"):
+        choose_impls(layers, CPU, torch.float32)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Linear dispatch")]
+    assert "48x64 x2" in line and "16x32 x1" in line
+    if set(cpu_paths(torch.empty(48, 64))) != {"torch"}:
+        assert f"cached at {tmp_path}" in line and "timed 2 shapes" in line  # 48x64 once
+
+
+PROMPTS = ["The capital of France is", "word " * 40 + "number 7:"]
+
+
+def test_every_path_gives_the_auto_path_s_greedy_tokens():
+    """The default model in float32, greedy: the same tokens whatever computes the projections."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for backend in ("auto", "few_rows", "onednn", "torch"):
+        llm = LLM(**TEST_ENGINE_ARGS, linear_backend=backend)
+        tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+        del llm
+    for backend in ("few_rows", "onednn", "torch"):
+        assert tokens[backend] == tokens["auto"], backend
