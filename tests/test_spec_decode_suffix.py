@@ -4,6 +4,7 @@ exactly as from scratch. (Greedy equality with speculation on: test_equivalence.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
@@ -31,12 +32,30 @@ def _run(proposer: SuffixProposer, req_id: str, prompt: list[int], output: list[
     return draft
 
 
-def _counts(trie: _Trie, node: int = 0, path: tuple[int, ...] = ()) -> Counter[tuple[int, ...]]:
-    """What the trie counts, substring by substring."""
+def _counts(trie: _Trie) -> Counter[tuple[int, ...]]:
+    """What the trie counts, substring by substring: each node's run spelled out from the tokens
+    it references, one substring per token of the run, all with the node's count. Also checks
+    the bookkeeping of references: every node alive is its parent's child under its first token,
+    references count right, and only referenced copies are held."""
     counts: Counter[tuple[int, ...]] = Counter()
-    for token, child in trie.children[node].items():
-        counts[(*path, token)] = trie.counts[child]
-        counts.update(_counts(trie, child, (*path, token)))
+    num_refs: Counter[int] = Counter()
+    stack: list[tuple[int, tuple[int, ...]]] = [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        for token, child in (trie.children[node] or {}).items():
+            assert trie.parents[child] == node and trie.counts[child] > 0
+            num_refs[trie.seqs[child]] += 1
+            start, length = trie.starts[child], trie.lengths[child]
+            run = tuple(trie.tokens[trie.seqs[child]][start : start + length])
+            assert len(run) == length and run[0] == token
+            # the reference is a place of the whole path
+            assert start >= len(path)
+            assert tuple(trie.tokens[trie.seqs[child]][start - len(path) : start]) == path
+            for end in range(1, length + 1):
+                counts[(*path, *run[:end])] = trie.counts[child]
+            stack.append((child, (*path, *run)))
+    assert num_refs == Counter({seq: n for seq, n in trie.num_refs.items() if n})
+    assert all(num_refs[seq] for seq in trie.copies)
     return counts
 
 
@@ -143,16 +162,36 @@ def test_the_shared_trie_counts_exactly_the_kept_outputs(outputs, keep):
 
 def test_a_trie_frees_nodes_whose_count_reaches_zero_and_reuses_them():
     trie = _Trie(3)
+    seq = trie.add_sequence()
     ends: list[int] = []
     for token in [1, 2, 1, 2]:
-        ends = trie.append(ends, token)
-    num_nodes = len(trie.counts)
-    trie.remove([1, 2, 1, 2])
-    assert not trie.children[0] and len(trie.free) == num_nodes - 1
+        ends = trie.append(seq, ends, token)
+    num_nodes = trie.num_nodes()
+    assert num_nodes == 5  # root, "1 2" (2), its leaf "1" (1), "2" (2), its leaf "1 2" (1)
+    trie.remove(seq)
+    assert not trie.children[0] and trie.num_nodes() == 1 and not trie.tokens and not trie.num_tokens
+    seq = trie.add_sequence()
     ends = []
     for token in [1, 2, 1, 2]:
-        ends = trie.append(ends, token)
-    assert len(trie.counts) == num_nodes and not trie.free
+        ends = trie.append(seq, ends, token)
+    assert trie.num_nodes() == num_nodes and not trie.free
+
+
+def test_a_node_outliving_its_sequence_references_a_copy_of_its_path():
+    trie = _Trie(2)
+    first, second = trie.add_sequence(), trie.add_sequence()
+    first_ends: list[int] = []
+    for token in [5, 6]:
+        first_ends = trie.append(first, first_ends, token)
+    second_ends: list[int] = []
+    for token in [5, 6]:  # the leaf "5 6" ends both, first references it
+        second_ends = trie.append(second, second_ends, token)
+    trie.remove(first)
+    assert _counts(trie) == _substrings([[5, 6]], 2)
+    # the leaves "5 6" and "6" end only second's suffixes now, which are not below them
+    assert first not in trie.tokens and sorted(len(trie.tokens[seq]) for seq in trie.copies) == [1, 2]
+    trie.remove(second)
+    assert not trie.tokens and not trie.copies and trie.num_nodes() == 1
 
 
 def test_per_step_time_with_a_long_context():
@@ -169,3 +208,159 @@ def test_per_step_time_with_a_long_context():
         proposer.propose("r", text[:end], 4)
     per_step = (time.perf_counter() - start) / 1000
     print(f"\nsuffix proposer: 4,000-token context {first * 1e3:.0f} ms, then {per_step * 1e6:.0f} us a step")
+
+
+class _PlainProposer:
+    """The proposer over plain tries (a node per substring, children created in order): the
+    definition the path-compressed tries must draft exactly as."""
+
+    def __init__(self, max_depth: int, max_cached_requests: int, factor: float, min_prob: float) -> None:
+        self.max_depth, self.keep = max_depth, max_cached_requests
+        self.factor, self.min_prob = factor, min_prob
+        self.shared: list[dict[int, int]] = [{}]
+        self.counts = [0]
+        self.requests: dict[str, tuple[list[dict[int, int]], list[int], list[int]]] = {}
+        self.finished: list[list[int]] = []
+
+    def _add(self, trie: list[dict[int, int]], counts: list[int], tokens: list[int]) -> None:
+        for start in range(len(tokens)):
+            node = 0
+            for token in tokens[start : start + self.max_depth]:
+                if token not in trie[node]:
+                    trie[node][token] = len(trie)
+                    trie.append({})
+                    counts.append(0)
+                node = trie[node][token]
+                counts[node] += 1
+
+    def _remove(self, tokens: list[int]) -> None:
+        for start in range(len(tokens)):
+            node = 0
+            for token in tokens[start : start + self.max_depth]:
+                child = self.shared[node][token]
+                self.counts[child] -= 1
+                if self.counts[child] == 0:
+                    del self.shared[node][token]
+                    break
+                node = child
+
+    def _draft(self, trie: list[dict[int, int]], counts: list[int], context: list[int], max_tokens: int):
+        best: list[int] = []
+        best_score = 0.0
+        matched = [
+            k for k in range(1, min(self.max_depth, len(context) + 1)) if self._find(trie, context[-k:])
+        ]
+        for length in reversed(matched):
+            limit = min(max_tokens, math.ceil(self.factor * length - 1e-9))
+            if limit <= best_score:
+                continue
+            node = self._find(trie, context[-length:])
+            assert node is not None
+            draft: list[int] = []
+            prob, score = 1.0, 0.0
+            while len(draft) < limit and trie[node]:
+                kids = trie[node]
+                token = max(kids, key=lambda t: counts[kids[t]])
+                share = counts[kids[token]] / sum(counts[c] for c in kids.values())
+                if share < self.min_prob:
+                    break
+                prob *= share
+                score += prob
+                draft.append(token)
+                node = kids[token]
+            if score > best_score:
+                best, best_score = draft, score
+        return best, best_score
+
+    @staticmethod
+    def _find(trie: list[dict[int, int]], tail: list[int]) -> int | None:
+        node: int | None = 0
+        for token in tail:
+            node = trie[node].get(token) if node is not None else None
+        return node
+
+    def propose(self, req_id: str, context: list[int], num_prompt: int, max_tokens: int) -> list[int]:
+        if req_id not in self.requests:
+            self.requests[req_id] = ([{}], [0], [])
+        trie, counts, output = self.requests[req_id]
+        trie.clear(), counts.clear()
+        trie.append({}), counts.append(0)
+        self._add(trie, counts, context)  # from scratch: the same children order as growing it
+        new_output = context[num_prompt + len(output) :]
+        # the shared trie grows token by token, as the runner feeds it
+        for end in range(len(output) + 1, len(output) + len(new_output) + 1):
+            grown = output + new_output[: end - len(output)]
+            self._add_last(grown)
+        output.extend(new_output)
+        draft, score = self._draft(trie, counts, context, max_tokens)
+        shared_draft, shared_score = self._draft(self.shared, self.counts, context, max_tokens)
+        return shared_draft if shared_score > score else draft
+
+    def _add_last(self, output: list[int]) -> None:
+        """Count the substrings the output's last token ends."""
+        for start in range(max(len(output) - self.max_depth, 0), len(output)):
+            node = 0
+            for token in output[start:]:
+                if token not in self.shared[node]:
+                    self.shared[node][token] = len(self.shared)
+                    self.shared.append({})
+                    self.counts.append(0)
+                node = self.shared[node][token]
+            self.counts[node] += 1
+
+    def finish(self, req_id: str) -> None:
+        self.finished.append(self.requests.pop(req_id)[2])
+        while len(self.finished) > self.keep:
+            self._remove(self.finished.pop(0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.integers(0, 3), st.lists(st.integers(0, 3), min_size=1, max_size=6), st.booleans()),
+        max_size=25,
+    ),
+    max_depth=st.integers(1, 6),
+    keep=st.integers(1, 3),
+    min_prob=st.sampled_from([0.0, 0.3, 0.6]),
+    factor=st.sampled_from([0.5, 1.0, 3.0]),
+)
+def test_drafts_are_the_plain_tries_drafts(steps, max_depth, keep, min_prob, factor):
+    """Requests interleaved, finished and evicted: every draft is the one the plain tries give
+    (the same counts and the same tie order), and the shared trie counts the kept outputs."""
+    proposer = _proposer(max_depth, keep, factor, min_prob)
+    plain = _PlainProposer(max_depth, keep, factor, min_prob)
+    contexts: dict[str, tuple[list[int], int]] = {}
+    running: dict[str, list[int]] = {}
+    kept: list[list[int]] = []
+    for slot, tokens, finish in steps:
+        req_id = str(slot)
+        if req_id not in contexts:
+            contexts[req_id] = (tokens, len(tokens) - 1)  # first call: prompt and one token
+        else:
+            contexts[req_id] = (contexts[req_id][0] + tokens, contexts[req_id][1])
+        context, num_prompt = contexts[req_id]
+        running[req_id] = context[num_prompt:]
+        expected = plain.propose(req_id, context, num_prompt, 4)
+        assert proposer.propose(req_id, np.array(context, dtype=np.int32), 4) == expected
+        if finish:
+            proposer.finish(req_id)
+            plain.finish(req_id)
+            kept = [*kept, running.pop(req_id)][-keep:]
+            del contexts[req_id]  # the slot starts a new request next
+    assert proposer.shared is not None
+    assert _counts(proposer.shared) == _substrings([*kept, *running.values()], max_depth)
+
+
+def test_the_shared_trie_keeps_at_most_max_cached_tokens_of_finished_outputs():
+    proposer = SuffixProposer(24, 10, 1.0, 0.1, max_cached_tokens=10)
+    for i in range(4):
+        _run(proposer, str(i), [100], [i] * 4)
+        proposer.finish(str(i))
+    assert proposer.shared is not None
+    assert proposer.shared.num_tokens == 8 and len(proposer.finished) == 2
+    assert _counts(proposer.shared) == _substrings([[2] * 4, [3] * 4], 24)
+    _run(proposer, "long", [100], [7] * 12)  # a running output stays, over the cap
+    assert proposer.shared.num_tokens == 20
+    proposer.finish("long")  # finished, it goes too: it alone is over the cap
+    assert proposer.shared.num_tokens == 0 and not proposer.finished and not proposer.shared.tokens
