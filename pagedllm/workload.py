@@ -2,7 +2,9 @@
 analyze prefix` and the engine's warm-up (sampled sets, random and ShareGPT: bench/datasets.py).
 
 Single-turn sets have `prompt`, `max_tokens` and `ignore_eos`; conversation sets have
-`conversation_id`, `system`, `turns` (user messages) and `max_tokens` per answer.
+`conversation_id`, `system`, `turns` (user messages), `max_tokens` per answer and, optionally,
+`ignore_eos` (default false: a conversation's answers feed its next turns, so they end where the
+model ends them unless a set asks for answers of fixed length).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Conversation:
     system: str
     turns: list[str]
     max_tokens: int
+    ignore_eos: bool = False
 
 
 def load_workload(path: str | Path, limit: int | None = None) -> list[BenchRequest] | list[Conversation]:
@@ -36,7 +39,11 @@ def load_workload(path: str | Path, limit: int | None = None) -> list[BenchReque
     if rows and "turns" in rows[0]:
         return [
             Conversation(
-                int(r["conversation_id"]), r.get("system", ""), list(r["turns"]), int(r["max_tokens"])
+                int(r["conversation_id"]),
+                r.get("system", ""),
+                list(r["turns"]),
+                int(r["max_tokens"]),
+                bool(r.get("ignore_eos", False)),
             )
             for r in rows
         ]

@@ -275,6 +275,26 @@ def test_jsonl_workload_old_flags(server, tmp_path: Path, capsys):
     assert set(report["tpot_s"]) == {"p50", "p95", "p99", "mean"}
 
 
+def test_conversation_workload_can_ignore_eos(server, tmp_path: Path, capsys):
+    """A conversation line with `ignore_eos` (benchmarks/spec_decode's sets) gets answers of
+    exactly max_tokens through the chat endpoint."""
+    workload = tmp_path / "chats.jsonl"
+    lines = [
+        {
+            "conversation_id": i,
+            "system": "",
+            "turns": [f"Say hi to {name}."],
+            "max_tokens": 40,
+            "ignore_eos": True,
+        }
+        for i, name in enumerate(("Ann", "Bo"))
+    ]
+    workload.write_text("\n".join(json.dumps(line) for line in lines))
+    report = _bench(server, tmp_path, capsys, "--workload", str(workload))
+    _check_consistent(report, 2)
+    assert [r["output_tokens"] for r in report["requests"]] == [40, 40]
+
+
 def test_needs_a_path(capsys):
     with pytest.raises(SystemExit, match="needs --dataset-path"):
         cli(["bench", "serve", "--dataset-name", "sharegpt"])

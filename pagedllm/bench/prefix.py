@@ -77,9 +77,11 @@ def _single_turn_client(prompt: str, max_tokens: int, ignore_eos: bool) -> Clien
     yield {"prompt": prompt}, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
-def _conversation_client(tokenizer, system: str, turns: list[str], max_tokens: int) -> Client:
+def _conversation_client(
+    tokenizer, system: str, turns: list[str], max_tokens: int, ignore_eos: bool = False
+) -> Client:
     messages = [{"role": "system", "content": system}] if system else []
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     for user_turn in turns:
         messages.append({"role": "user", "content": user_turn})
         answer = yield (chat_prompt(tokenizer, messages), params)
@@ -88,7 +90,7 @@ def _conversation_client(tokenizer, system: str, turns: list[str], max_tokens: i
 
 def make_clients(path: str, tokenizer, limit: int | None) -> list[Client]:
     return [
-        _conversation_client(tokenizer, item.system, item.turns, item.max_tokens)
+        _conversation_client(tokenizer, item.system, item.turns, item.max_tokens, item.ignore_eos)
         if isinstance(item, Conversation)
         else _single_turn_client(item.prompt, item.max_tokens, item.ignore_eos)
         for item in load_workload(path, limit)

@@ -192,6 +192,8 @@ def _senders(items: Items, model: str) -> Iterator[Send]:
                 for turn in c.turns:
                     messages.append({"role": "user", "content": turn})
                     body = {"model": model, "messages": messages, "max_tokens": c.max_tokens}
+                    if c.ignore_eos:  # only when asked: servers that lack the field get no new key
+                        body["ignore_eos"] = True
                     record, answer = await _stream(client, "/v1/chat/completions", body, origin)
                     done(record)
                     if record.error:
