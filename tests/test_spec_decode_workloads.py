@@ -66,7 +66,7 @@ def test_code_prompts_hold_the_file_and_the_function_they_name() -> None:
         prompt = request.turns[0]
         assert 60 <= request.quote.count("\n") <= 150
         assert request.quote in prompt
-        name = re.search(r"`(\w+)`", prompt)
+        name = re.search(r"`(\w+)`", prompt.rpartition("```")[2])  # in the task after the file
         assert name is not None and re.search(rf"def {name[1]}\b", request.quote), prompt[:200]
 
 

@@ -198,6 +198,9 @@ def main() -> None:
         help="where the server exports no spec_decode counters, print none rather than run the "
         "offline engine once more per cell for them",
     )
+    parser.add_argument(
+        "--model", type=Path, help="an HF folder both engines load (default: the embedded SmolLM2-135M)"
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: from the CPU flags")
     parser.add_argument("--cores", type=int, help="vLLM's OMP binding 0..N-1 (default: all)")
     parser.add_argument("--port", type=int, default=8300, help="first of the ports the servers take")
@@ -218,12 +221,13 @@ def main() -> None:
         "dtype_reason": why,
         "configs": configs,
         "max_tokens": args.max_tokens,
+        "model": str(args.model or "SmolLM2-135M-Instruct (embedded)"),
         "argv": sys.argv,
     }
     print_header(results)
     for workload in args.workloads:
         write_workload(workload, args.out / "workloads", args.max_tokens)
-    args.model_dir = vllm_compare.write_hf_model(args.out / f"model-{args.dtype}", args.dtype)
+    args.model_dir = args.model or vllm_compare.write_hf_model(args.out / f"model-{args.dtype}", args.dtype)
     started = time.monotonic()
     engines = ["pagedllm"] + (["vllm"] if args.vllm_venv else [])
     for engine in engines:

@@ -88,32 +88,34 @@ def markdown_sections(text: str) -> list[tuple[str, str]]:
 
 def _repeat_section(doc: str, sections: list[tuple[str, str]], i: int) -> tuple[str, str]:
     """The section with its neighbours as the document (those that fit in MAX_DOCUMENT_CHARS, the
-    one after it first, so the section is not always last); the answer is the section itself."""
+    one after it first, so the section is not always last); the answer is the section itself.
+    Every grounded and code prompt puts the text first and the task last: SmolLM2-135M follows
+    the task (and copies) more often so than with the task first."""
     title, body = sections[i]
     parts = [body]
     for j in (i + 1, i - 1):
         if 0 <= j < len(sections) and len(sections[j][1]) + sum(map(len, parts)) <= MAX_DOCUMENT_CHARS:
             parts.insert(0 if j < i else len(parts), sections[j][1])
-    task = f'Repeat the section titled "{title}" from the document below, word for word.'
-    return f"{task}\n\n{doc}:\n\n" + "\n\n".join(parts), body
+    task = f'Repeat the section titled "{title}" from the document above, word for word.'
+    return f"{doc}:\n\n" + "\n\n".join(parts) + f"\n\n{task}", body
 
 
 def _table_to_json(title: str, table: str) -> tuple[str, str]:
     task = (
-        "Convert the table in the text below to a JSON list: one object per row, with the header's "
+        "Convert the table in the text above to a JSON list: one object per row, with the header's "
         "column names as keys and the cells copied exactly as values."
     )
-    return f"{task}\n\nText ({title}):\n\n{table}", table
+    return f"Text ({title}):\n\n{table}\n{task}", table
 
 
 def _list_definitions(path: str, code: str) -> tuple[str, str]:
     task = (
-        "List every function, method and class defined in the code below, one per line, each with "
+        "List every function, method and class defined in the code above, one per line, each with "
         "its full signature exactly as written (name, parameters, type hints, return type)."
     )
     code = code[:MAX_DOCUMENT_CHARS]
     defs = [line.strip() for line in code.splitlines() if re.match(r"\s*(async def|def|class) ", line)]
-    return f"{task}\n\n```python\n# {path}\n{code}\n```", "\n".join(defs)
+    return f"```python\n# {path}\n{code}\n```\n\n{task}", "\n".join(defs)
 
 
 def grounded_requests(num_requests: int = NUM_REQUESTS) -> list[ChatRequest]:
@@ -184,7 +186,8 @@ def code_requests(num_requests: int = NUM_REQUESTS) -> list[ChatRequest]:
     for n in range(num_requests):
         path, code = files[(n // 2 * 7) % len(files)]  # a stride of 7 spreads them over the package
         instruction = _edit(code, "rename" if n % 2 == 0 else "docstring")
-        prompt = f"{instruction} Return the whole file.\n\n```python\n# {path}\n{code}```"
+        # the file first, the task last: SmolLM2-135M copies the file more often in this order
+        prompt = f"```python\n# {path}\n{code}```\n\n{instruction} Return the whole file."
         requests.append(ChatRequest(n, CODE_SYSTEM, [prompt], MAX_TOKENS, True, path, code))
     return requests
 
