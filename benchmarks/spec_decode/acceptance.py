@@ -3,10 +3,10 @@ read before and after, or (where a server does not export them) the offline engi
 the same requests.
 
 vLLM exports `vllm:spec_decode_num_drafts`, `_num_draft_tokens` and `_num_accepted_tokens`
-(counters, `_total` in the text format, one sample per `engine` label). pagedllm's scheduler counts
-the same three (`SchedulerStats.spec_decode`); /metrics will carry them under the same names (issue
-24 item 4), and this reads either prefix. Until then `offline_counts` runs the requests through
-`LLMEngine` in a subprocess, a closed loop at the same concurrency, and reads `get_stats()`.
+(counters, `_total` in the text format, one sample per `engine` label); pagedllm exports the same
+names under `pagedllm:` (or `vllm:`), and this reads any prefix. For a server without them (a
+pagedllm from before issue 24's item 4), `offline_counts` runs the requests through `LLMEngine` in
+a subprocess, a closed loop at the same concurrency, and reads `get_stats()`.
 
     acceptance rate = accepted / draft tokens
     mean acceptance length = 1 + accepted / drafts   (tokens a checking step gives a request)
