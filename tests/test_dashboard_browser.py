@@ -179,3 +179,18 @@ def test_gaps_break_the_lines_and_empty_panels_say_so(browser):
     assert page.locator("#divergence th").count() == 0
     assert page.locator("#error").text_content() == ""
     page.close()
+
+
+def test_a_speculating_server_charts_and_counts_its_drafts(browser):
+    """With --speculative-config the page adds the acceptance chart and two cards."""
+    remote = RemoteServer(
+        [*server_engine_args(), "--api-key", API_KEY, "--speculative-config", '{"method": "ngram"}']
+    )
+    try:
+        page = open_dashboard(browser, remote)
+        complete(remote, "one two three four five. " * 6 + "one two", "spec", 24)
+        page.wait_for_function("() => document.querySelectorAll('.uplot').length === 5", timeout=WAIT_MS)
+        wait_for_text(page, "cards", "draft tokens accepted")
+        assert page.locator("#error").text_content() == ""
+    finally:
+        remote.stop()
