@@ -79,11 +79,12 @@ class Request:
     stop_reason: int | str | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed for the next step (speculative decoding); checked, not yet known."""
-    draft_acceptance: float = 1.0
+    recent_drafts: tuple[float, float] = (0.0, 0.0)
+    """Draft tokens accepted and checked over this request's recent checking steps, each step's
+    counts fading by the scheduler's DRAFT_FADE (speculative decoding's back-off reads them)."""
     num_draft_tokens: int = 0
     """Draft tokens checked for this request, and of them accepted (per-response timings)."""
     num_accepted_tokens: int = 0
-    """Running mean of the share of its draft tokens accepted (speculative decoding's back-off)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of the request's full blocks, in order; grown as tokens are appended."""
     metrics: RequestMetrics = field(init=False)
@@ -91,6 +92,13 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def draft_acceptance(self) -> float:
+        """The share of its recent draft tokens accepted; 1 before any (one more of each
+        counted: a first rejection does not stop a request's drafts at once)."""
+        accepted, checked = self.recent_drafts
+        return (accepted + 1) / (checked + 1)
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ A step:
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 
@@ -33,6 +34,8 @@ from pagedllm.structured_output.bitmask import GrammarBitmask, fill_bitmask
 # this many times before it is admitted regardless (bounded wait, no starvation).
 LPM_WINDOW = 64
 LPM_MAX_SKIPS = 16
+# speculative decoding: how fast a request's record of accepted drafts forgets (per checking step)
+DRAFT_FADE = 0.8
 
 
 class Scheduler:
@@ -160,8 +163,9 @@ class Scheduler:
         """The draft tokens a decoding request checks this step: what it was proposed, cut to
         the budget, max_model_len and max_tokens, and to none where a draft row is not worth
         its cost: a request checks drafts while the share of them it has been accepting beats
-        what a row costs a step of this size (StepCostModel), or on every 8th token (a probe of
-        one, so a request that starts quoting its context is noticed)."""
+        what a row costs a step of this size (StepCostModel); otherwise one draft token now and
+        then (a probe, so a request that starts quoting its context is noticed), rarer as rows
+        get dearer, so probes cost a step about 1% at most."""
         spec = self.config.speculation
         if spec is None or not request.spec_token_ids:
             return []
@@ -172,8 +176,10 @@ class Scheduler:
             self.max_model_len - request.num_tokens,
             request.max_tokens - request.num_output_tokens - 1,
         )
-        if request.draft_acceptance <= self.step_cost.row_cost(len(self.running)):
-            limit = min(limit, 1 if request.num_output_tokens % 8 == 0 else 0)
+        row_cost = self.step_cost.row_cost(len(self.running))
+        if request.draft_acceptance <= row_cost:
+            probe_every = max(8, math.ceil(100 * row_cost))
+            limit = min(limit, 1 if request.num_output_tokens % probe_every == 0 else 0)
         return request.spec_token_ids[: max(0, limit)]
 
     def _record_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
@@ -181,7 +187,8 @@ class Scheduler:
         self.spec_decode_stats.record(num_draft, num_accepted)
         request.num_draft_tokens += num_draft
         request.num_accepted_tokens += num_accepted
-        request.draft_acceptance = 0.7 * request.draft_acceptance + 0.3 * num_accepted / num_draft
+        accepted, checked = request.recent_drafts
+        request.recent_drafts = (DRAFT_FADE * accepted + num_accepted, DRAFT_FADE * checked + num_draft)
 
     def record_step_time(self, num_rows: int, seconds: float) -> None:
         """The engine's timing of a step of num_rows rows (the forward and sampling)."""
