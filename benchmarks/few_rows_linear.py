@@ -30,6 +30,17 @@ NUM_LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 ROWS = [1, 4, 8, 16, 32, 64, 128, 256, 2048]
 
 
+def smollm2_weights(dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Random weights of SmolLM2's 30 layers' projections and its lm_head, seeded."""
+    gen = torch.Generator().manual_seed(0)
+    plain = [
+        (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+        for _ in range(NUM_LAYERS)
+        for n, k in LAYER_SHAPES
+    ]
+    return plain, (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(dtype)
+
+
 def time_calls(fn, calls: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> float:
     """Seconds per pass over the calls (x, weight)."""
     for x, w in calls:
@@ -51,13 +62,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if not cpu_ops.is_built() or not torch.ops.pagedllm.few_rows_linear_available(args.dtype):
         raise SystemExit(f"no few-rows kernel for {args.dtype} in this CPU's build")
-    gen = torch.Generator().manual_seed(0)
-    plain = [
-        (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
-        for _ in range(NUM_LAYERS)
-        for n, k in LAYER_SHAPES
-    ]
-    head = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(dtype)
+    plain, head = smollm2_weights(dtype)
+    gen = torch.Generator().manual_seed(1)  # the inputs
     paths = {
         "oneDNN": (lambda x, w: onednn_linear(x, w), pack_onednn),
         "few_rows_linear": (lambda x, w: cpu_ops.few_rows_linear(x, w, None), cpu_ops.pack_few_rows),

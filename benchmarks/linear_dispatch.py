@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,8 +31,9 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.linear_dispatch import ROW_COUNTS, LinearDispatch
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of each projection
-NUM_LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from few_rows_linear import HIDDEN, LAYER_SHAPES, smollm2_weights
+
 WAYS = ("few_rows", "onednn", "dispatched")
 
 
@@ -62,13 +64,8 @@ def least_seconds(passes: dict[str, Callable[[], object]], repeats: int) -> dict
 
 
 def run_dtype(dtype: torch.dtype, rows_list: list[int]) -> None:
-    gen = torch.Generator().manual_seed(0)
-    plain = [
-        (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
-        for _ in range(NUM_LAYERS)
-        for n, k in LAYER_SHAPES
-    ]
-    head = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(dtype)
+    plain, head = smollm2_weights(dtype)
+    gen = torch.Generator().manual_seed(1)  # the inputs
     with tempfile.TemporaryDirectory() as cache:
         dispatched = LinearDispatch("auto", cache_path=Path(cache) / "d.json")
         ways = {

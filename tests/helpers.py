@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import torch
@@ -395,3 +396,16 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def benchmark_module(relative_path: str):
+    """A script under benchmarks/ imported as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / relative_path
+    spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass in it looks its module up there
+    spec.loader.exec_module(module)
+    return module

@@ -4,16 +4,9 @@ not the `_created` timestamps, not the per-position counters."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from .helpers import benchmark_module
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_decode" / "acceptance.py"
-_spec = importlib.util.spec_from_file_location("spec_decode_acceptance", PATH)
-assert _spec is not None and _spec.loader is not None
-acceptance = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = acceptance  # its dataclass looks its module up there
-_spec.loader.exec_module(acceptance)
+acceptance = benchmark_module("spec_decode/acceptance.py")
 
 VLLM_METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

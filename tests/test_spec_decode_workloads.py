@@ -4,27 +4,22 @@ answers should copy (what makes them worth drafting from); chat prompts hold non
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pagedllm.workload import Conversation, load_workload
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_decode" / "workloads.py"
-_spec = importlib.util.spec_from_file_location("spec_decode_workloads", PATH)
-assert _spec is not None and _spec.loader is not None
-workloads = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = workloads  # its dataclass looks its module up there
-_spec.loader.exec_module(workloads)
+from .helpers import benchmark_module
+
+workloads = benchmark_module("spec_decode/workloads.py")
 
 _has_source = (
     subprocess.run(
         ["git", "cat-file", "-e", f"{workloads.SOURCE_COMMIT}^{{commit}}"],
-        cwd=PATH.parent,
+        cwd=Path(workloads.__file__).parent,
         capture_output=True,
         check=False,
     ).returncode

@@ -191,7 +191,8 @@ class Scheduler:
         request.recent_drafts = (DRAFT_FADE * accepted + num_accepted, DRAFT_FADE * checked + num_draft)
 
     def record_step_time(self, num_rows: int, seconds: float) -> None:
-        """The engine's timing of a step of num_rows rows (the forward and sampling)."""
+        """The engine's timing of a step of num_rows rows (the forward and sampling), with
+        speculative decoding on (the one reader of these timings)."""
         self.step_cost.record(num_rows, seconds)
 
     def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:

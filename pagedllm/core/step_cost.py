@@ -19,14 +19,11 @@ class StepCostModel:
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
     def record(self, rows: int, seconds: float) -> None:
-        for name, value in (
-            ("_w", 1.0),
-            ("_x", rows),
-            ("_y", seconds),
-            ("_xx", rows * rows),
-            ("_xy", rows * seconds),
-        ):
-            setattr(self, name, getattr(self, name) * FADE + value)
+        self._w = self._w * FADE + 1.0
+        self._x = self._x * FADE + rows
+        self._y = self._y * FADE + seconds
+        self._xx = self._xx * FADE + rows * rows
+        self._xy = self._xy * FADE + rows * seconds
 
     def coefficients(self) -> tuple[float, float]:
         """(t0, t1): seconds per step and per row; t1 is 0 until the steps differ in size."""

@@ -207,7 +207,7 @@ class LLMEngine:
         grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output)
         started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
-        if scheduler_output.total_num_scheduled_tokens:
+        if self.config.speculation is not None and scheduler_output.total_num_scheduled_tokens:
             self.scheduler.record_step_time(
                 scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started
             )

@@ -46,7 +46,7 @@ def build_model_input(
     """rows: the batch rows of the step's requests, in step order; counts: their tokens this
     step, the last known one and then draft tokens `drafts[i]` where given (written after the
     known tokens in the batch's rows). attn_backend builds the attention metadata its path reads."""
-    drafts = drafts or [[] for _ in rows]
+
     index = torch.tensor(rows)
     counts_t = torch.tensor(counts)
     starts_t = batch.num_computed_tokens[index]
@@ -67,13 +67,19 @@ def build_model_input(
     )
     attn_metadata = attn_backend.build_metadata(layout, device)
     # a request samples when this step reaches its last known token (and its drafts after it)
-    num_drafts = torch.tensor([len(d) for d in drafts])
-    samples = (seq_lens_t == batch.num_tokens[index] + num_drafts).tolist()
-    sampled = [i for i in range(len(rows)) if samples[i]]
-    logits_indices = torch.tensor(
-        [row_offset_list[i] + counts[i] - 1 - j for i in sampled for j in range(len(drafts[i]), -1, -1)],
-        dtype=torch.long,
-    )
+    known = batch.num_tokens[index]
+    if drafts is None:
+        samples = (seq_lens_t == known).tolist()
+        sampled = [i for i in range(len(rows)) if samples[i]]
+        last_rows = [row_offset_list[i] + counts[i] - 1 for i in sampled]
+        drafts = [[] for _ in rows]
+    else:
+        samples = (seq_lens_t == known + torch.tensor([len(d) for d in drafts])).tolist()
+        sampled = [i for i in range(len(rows)) if samples[i]]
+        last_rows = [
+            row_offset_list[i] + counts[i] - 1 - j for i in sampled for j in range(len(drafts[i]), -1, -1)
+        ]
+    logits_indices = torch.tensor(last_rows, dtype=torch.long)
 
     prompt_scoring = []
     for i, row in enumerate(rows):
