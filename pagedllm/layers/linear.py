@@ -3,7 +3,7 @@
 How a product is computed is chosen once, when the weights are loaded (`choose_impl`):
 
 - A quantized weight is packed for the integer kernel (cpu_ops.quant_linear).
-- A float weight on CPU goes where layers/linear_dispatch.py says, by the product's row count:
+- A float weight on CPU goes where layers/linear_dispatch.py says, one path per weight:
   the few-rows kernel (cpu_ops.few_rows_linear: streams the weight at close to the machine's
   bandwidth, made for decode steps) or oneDNN on its blocked layout (the path torch.compile's CPU
   backend takes), each timed on this host at first start, or forced by --linear-backend.
@@ -20,8 +20,6 @@ row-parallel one its columns of the input, and sums the ranks' partial outputs.
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +27,7 @@ from torch import nn
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.linear_dispatch import FALLBACK, LinearDispatch, LinearImpl, LinearPath, Plan
+from pagedllm.layers.linear_dispatch import FALLBACK, LinearDispatch, LinearImpl, LinearPath
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, join_rows
 
 _FEW_ROWS = 96
@@ -71,19 +69,6 @@ def cpu_paths(weight: torch.Tensor) -> dict[str, LinearPath]:
         paths["onednn"] = LinearPath(pack_onednn, onednn_linear)
     paths[FALLBACK] = LinearPath(torch.Tensor.detach, cpu_linear)
     return paths
-
-
-class ByRows:
-    """A weight packed for several paths: each product goes to its row count's path (Plan)."""
-
-    def __init__(self, plan: Plan, runs: dict[str, LinearImpl], packed: dict[str, torch.Tensor]) -> None:
-        self.starts = plan.starts
-        self.routes = [(runs[name], packed[name]) for name in plan.paths]
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`weight`: the module's, one of the copies held here."""
-        run, packed = self.routes[bisect.bisect_right(self.starts, x.shape[0]) - 1]
-        return run(x, packed, bias)
 
 
 def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -147,8 +132,8 @@ class Linear(nn.Linear):
     def choose_impl(
         self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch | None = None
     ) -> None:
-        """Pack the weight for the integer kernel (quantized), or for the path(s) `dispatch`
-        plans for a float weight on CPU (default: timed, cached on disk). A weight shared with
+        """Pack the weight for the integer kernel (quantized), or for the path `dispatch`
+        chooses for a float weight on CPU (default: timed, cached on disk). A weight shared with
         another module (a tied lm_head) is replaced here by its packed copy, so the other module
         keeps its plain tensor. A quantized weight no kernel here takes is dequantized into the
         float weight."""
@@ -177,22 +162,11 @@ class Linear(nn.Linear):
             self._pack_for(dispatch or LinearDispatch(), cpu_paths(self.weight))
 
     def _pack_for(self, dispatch: LinearDispatch, paths: dict[str, LinearPath]) -> None:
-        """Pack the float weight for each path its plan uses; a second copy is a parameter too
-        (`other_weights`), so the weights' reported size counts it."""
-        plan = dispatch.plan(self.weight, paths)
-        plain = self.weight.detach()
-        packed = {name: paths[name].pack(plain) for name in plan.distinct}
-        first, *others = plan.distinct
-        if first != FALLBACK:  # unpacked, the weight stays the module's own (a tied head's shared one)
-            self.weight = nn.Parameter(packed[first], requires_grad=False)
-        if not others:
-            self.impl = paths[first].run
-            return
-        self.other_weights = nn.ParameterList(
-            nn.Parameter(packed[name], requires_grad=False) for name in others
-        )
-        packed = {first: self.weight} | dict(zip(others, self.other_weights, strict=True))
-        self.impl = ByRows(plan, {name: paths[name].run for name in plan.distinct}, packed)
+        """Pack the float weight for the path `dispatch` chooses."""
+        chosen = paths[dispatch.choose(self.weight, paths)]
+        if chosen is not paths[FALLBACK]:  # unpacked, the weight stays the module's own (a tied head's)
+            self.weight = nn.Parameter(chosen.pack(self.weight.detach()), requires_grad=False)
+        self.impl = chosen.run
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         """Copy a checkpoint tensor into `param` (this rank's part of it, for split layers)."""

@@ -4,8 +4,15 @@ The few-rows kernel streams a weight once whatever the rows and beats oneDNN on 
 batches where it was measured; oneDNN can win for prompts, and on AMX parts from ~16 rows
 (issue 25). A rule by CPU name was wrong on hosts nobody had measured, so at first use each
 distinct (dtype, out_features, in_features) shape is timed through every path that can take it
-at the row counts steps produce (ROW_COUNTS), and every projection of that shape sends each
-product, by its row count, to the fastest path.
+at the row counts steps produce (ROW_COUNTS), and every projection of that shape takes the path
+whose worst ratio to the fastest over those row counts is smallest (the caller's order of
+preference breaks ties).
+
+One path per weight, not one per row count: the paths sum in different orders, and a token's
+row must come out the same whatever else shares its step. Prefix caching, chunked prefill and
+speculative decoding compute the same token's row in products of different sizes and must give
+the same tokens as the plain path; a weight split between paths by row count broke that (and
+held a second packed copy).
 
 Timing: a random weight of the real shape, packed as the path packs it, in enough copies to
 overflow the last-level cache (a decode step streams its weights from memory, not from cache);
@@ -14,16 +21,6 @@ host hits every cell alike, and each cell keeps its least time; rounds go on unt
 no cell by more than SETTLED (or SECONDS_PER_SHAPE is spent). A product of more than
 MAX_TIMED_FLOP is not timed (compute-bound, where the paths differ least, and slow to time): the
 largest timed row count's choice serves it.
-
-Memory: a weight is packed for one path, the one whose worst ratio to the fastest over the row
-counts is smallest (the caller's order of preference breaks ties), when that ratio is within
-TOLERANCE. Only where it is not, the weight is also packed for the path that beats it there:
-a second copy (twice the weight's memory), which the start-up log names with the bytes it adds
-(`--linear-backend few_rows|onednn` keeps one copy). Such a plan is timed again at the row
-counts that call for it first, so a busy moment of the host does not cost memory. TOLERANCE is
-10%: the spread between two timings of one cell on a shared 2-vCPU host, and about what
-oneDNN gains on the few-rows kernel at prompt sizes on AVX512-BF16 without AMX, not worth a
-second copy; on AMX parts the two differ 2-4x (issue 25), where a second copy pays.
 
 Cache: the timings (not the choices, so a change of rule needs no new timing) per host, in one
 small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
@@ -34,7 +31,6 @@ busy host) are used but not kept, so a quieter start times again.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import json
@@ -44,7 +40,6 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -59,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 """Decode steps of 1 to 128 requests, and a prompt chunk."""
-TOLERANCE = 0.10
-"""How much slower than the fastest a path may be at a row count and still serve it."""
 MAX_TIMED_FLOP = 8e9
 """A vocabulary-sized head's product (~57 MFLOP a row) is timed up to 128 rows."""
 MIN_ROUNDS, MAX_ROUNDS = 3, 8
@@ -82,58 +75,9 @@ class LinearPath(NamedTuple):
     run: LinearImpl
 
 
-@dataclass(frozen=True)
-class Plan:
-    """paths[i] computes products of starts[i] rows and more (up to starts[i + 1])."""
-
-    starts: tuple[int, ...]
-    paths: tuple[str, ...]
-
-    def path_for(self, num_rows: int) -> str:
-        return self.paths[bisect.bisect_right(self.starts, num_rows) - 1]
-
-    @property
-    def distinct(self) -> tuple[str, ...]:
-        """The paths the weight is packed for, in order of first use."""
-        return tuple(dict.fromkeys(self.paths))
-
-    def describe(self) -> str:
-        if len(self.paths) == 1:
-            return f"{self.paths[0]} at every row count"
-        parts = [f"{self.paths[0]} below {self.starts[1]} rows"]
-        for i in range(1, len(self.paths)):
-            to = f" to {self.starts[i + 1] - 1}" if i + 1 < len(self.paths) else ""
-            parts.append(f"{self.paths[i]} from {self.starts[i]}{to}")
-        return ", ".join(parts)
-
-
-def single(path: str) -> Plan:
-    return Plan((0,), (path,))
-
-
-def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]]) -> Plan:
-    """The plan for these timings (paths in order of preference): the best single path (smallest
-    worst ratio to the fastest) where it is within TOLERANCE at every row count; else, at each row
-    count, that path where it is within TOLERANCE, the fastest where it is not. Either way no row
-    count gets a path more than TOLERANCE slower than the fastest timed there."""
-    first = best_single(rows, seconds)
-    fastest = [min(times[i] for times in seconds.values()) for i in range(len(rows))]
-    chosen = [
-        first
-        if seconds[first][i] <= fastest[i] * (1 + TOLERANCE)
-        else min(seconds, key=lambda name: seconds[name][i])
-        for i in range(len(rows))
-    ]
-    starts, paths = [0], [chosen[0]]
-    for row_count, name in zip(rows[1:], chosen[1:], strict=True):
-        if name != paths[-1]:
-            starts.append(row_count)
-            paths.append(name)
-    return Plan(tuple(starts), tuple(paths))
-
-
 def best_single(rows: Sequence[int], seconds: Mapping[str, Sequence[float]]) -> str:
-    """The path whose worst ratio to the fastest over the row counts is smallest; the first on ties."""
+    """The path whose worst ratio to the fastest over the row counts is smallest (paths in order of
+    preference: the first on ties)."""
     fastest = [min(times[i] for times in seconds.values()) for i in range(len(rows))]
     return min(seconds, key=lambda name: max(t / f for t, f in zip(seconds[name], fastest, strict=True)))
 
@@ -205,7 +149,7 @@ def default_cache_path() -> Path:
 
 
 class LinearDispatch:
-    """The choices of one model's projections (one per model load): `plan` per weight, then
+    """The choices of one model's projections (one per model load): `choose` per weight, then
     `log_summary` once. `backend`: auto (timed), or the path every weight takes where it can."""
 
     def __init__(
@@ -224,41 +168,30 @@ class LinearDispatch:
         self.seconds_timing = 0.0
         self._cached: dict[str, Any] | None = None
         self._chosen: dict[tuple[str, str], list[str]] = {}
-        """(dtype, plan description) -> the shapes given it, one entry per weight."""
-        self._extra_bytes = 0
+        """(dtype, path) -> the shapes given it, one entry per weight."""
 
-    def plan(self, weight: torch.Tensor, paths: Mapping[str, LinearPath]) -> Plan:
-        """The plan for an [N, K] float weight; `paths`: those that can take it, in order of
+    def choose(self, weight: torch.Tensor, paths: Mapping[str, LinearPath]) -> str:
+        """The path for an [N, K] float weight; `paths`: those that can take it, in order of
         preference, FALLBACK last."""
         shape = f"{weight.shape[0]}x{weight.shape[1]}"
         dtype = str(weight.dtype).removeprefix("torch.")
         if self.backend != "auto":
-            plan = single(self.backend if self.backend in paths else FALLBACK)
+            chosen = self.backend if self.backend in paths else FALLBACK
         else:
             candidates = {name: path for name, path in paths.items() if name != FALLBACK}
             if len(candidates) > 1:
-                plan = self._timed_plan(weight, f"{dtype} {shape}", candidates)
+                chosen = self._timed_choice(weight, f"{dtype} {shape}", candidates)
             else:
-                plan = single(next(iter(candidates), FALLBACK))
-        self._chosen.setdefault((dtype, plan.describe()), []).append(shape)
-        self._extra_bytes += (len(plan.distinct) - 1) * weight.numel() * weight.element_size()
-        return plan
+                chosen = next(iter(candidates), FALLBACK)
+        self._chosen.setdefault((dtype, chosen), []).append(shape)
+        return chosen
 
-    def _timed_plan(self, weight: torch.Tensor, key: str, paths: Mapping[str, LinearPath]) -> Plan:
+    def _timed_choice(self, weight: torch.Tensor, key: str, paths: Mapping[str, LinearPath]) -> str:
         rows = timed_rows(*weight.shape)
         entry = self._cache()["shapes"].get(key)
         if not _valid(entry, paths, rows):
             self.num_timed += 1
             seconds, settled = self._time(weight, paths, rows)
-            plan = plan_from_timings(rows, seconds)
-            if len(plan.distinct) > 1:  # a second copy: timed again where it is called for
-                first = best_single(rows, seconds)
-                disputed = [i for i, row_count in enumerate(rows) if plan.path_for(row_count) != first]
-                again, settled_again = self._time(weight, paths, [rows[i] for i in disputed])
-                for name, times in seconds.items():
-                    for j, i in enumerate(disputed):
-                        times[i] = min(times[i], again[name][j])
-                settled &= settled_again
             entry = {"rows": rows, "seconds": seconds}
             logger.debug("Linear dispatch timed %s (settled: %s): %s", key, settled, entry)
             self._cache()["shapes"][key] = entry  # this load's other weights of the shape
@@ -266,7 +199,7 @@ class LinearDispatch:
                 self._store(key, entry)
             else:
                 self.num_unsettled += 1
-        return plan_from_timings(rows, {name: entry["seconds"][name] for name in paths})
+        return best_single(rows, {name: entry["seconds"][name] for name in paths})
 
     def _time(self, weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
         started = time.perf_counter()
@@ -294,7 +227,7 @@ class LinearDispatch:
             logger.warning("Linear dispatch: could not cache the timings at %s: %s", path, err)
 
     def summary(self) -> str | None:
-        """One line: where the choices come from and, per dtype and plan, the shapes given it."""
+        """One line: where the choices come from and, per dtype and path, the shapes given it."""
         if not self._chosen:
             return None
         if self.backend != "auto":
@@ -306,17 +239,11 @@ class LinearDispatch:
         else:
             source = f"read from {self._path()}" if self._cached is not None else "nothing to time"
         groups = [
-            f"{dtype} {description}: "
+            f"{dtype} {path}: "
             + ", ".join(f"{shape} x{shapes.count(shape)}" for shape in dict.fromkeys(shapes))
-            for (dtype, description), shapes in self._chosen.items()
+            for (dtype, path), shapes in self._chosen.items()
         ]
-        extra = ""
-        if self._extra_bytes:
-            extra = (
-                f"; weights packed for two paths take {self._extra_bytes / 2**20:.1f} MiB more "
-                "(--linear-backend few_rows or onednn keeps one copy)"
-            )
-        return f"Linear dispatch ({source}): {'; '.join(groups)}{extra}"
+        return f"Linear dispatch ({source}): {'; '.join(groups)}"
 
     def log_summary(self) -> None:
         line = self.summary()
