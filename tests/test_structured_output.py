@@ -185,6 +185,6 @@ def test_the_bitmask_only_touches_constrained_rows():
     logits = torch.zeros(3, 64)
     bitmask = torch.zeros(1, 2, dtype=torch.int32)
     bitmask[0, 0] = 0b101  # tokens 0 and 2 allowed
-    apply_bitmask(logits, GrammarBitmask(["b"], bitmask), {"a": 0, "b": 1, "c": 2})
+    apply_bitmask(logits, GrammarBitmask([("b", 0)], bitmask), {"a": 0, "b": 1, "c": 2})
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 2]

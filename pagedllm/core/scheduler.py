@@ -132,8 +132,12 @@ class Scheduler:
         constrained = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            if request.grammar is not None and request.num_computed_tokens + num_new == request.num_tokens:
-                constrained.append((req_id, request.grammar))
+            draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            if (
+                request.grammar is not None
+                and request.num_computed_tokens + num_new - len(draft) == request.num_tokens
+            ):
+                constrained.append((req_id, request.grammar, draft))
         return fill_bitmask(constrained)
 
     def _schedule_running(self, token_budget: int, output: SchedulerOutput, preempted: list[Request]) -> int:
@@ -165,7 +169,8 @@ class Scheduler:
         its cost: a request checks drafts while the share of them it has been accepting beats
         what a row costs a step of this size (StepCostModel); otherwise one draft token now and
         then (a probe, so a request that starts quoting its context is noticed), rarer as rows
-        get dearer, so probes cost a step about 1% at most."""
+        get dearer, so probes cost a step about 1% at most. A constrained request's draft also
+        stops before the first token its grammar does not allow: that one could not be accepted."""
         spec = self.config.speculation
         if spec is None or not request.spec_token_ids:
             return []
@@ -180,7 +185,10 @@ class Scheduler:
         if request.draft_acceptance <= row_cost:
             probe_every = max(8, math.ceil(100 * row_cost))
             limit = min(limit, 1 if request.num_output_tokens % probe_every == 0 else 0)
-        return request.spec_token_ids[: max(0, limit)]
+        draft = request.spec_token_ids[: max(0, limit)]
+        if draft and request.grammar is not None:
+            draft = draft[: request.grammar.valid_prefix(draft)]
+        return draft
 
     def _record_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
         assert self.spec_decode_stats is not None  # drafts are scheduled only with speculation on
@@ -334,7 +342,7 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
-            if request.is_finished:  # failed on its grammar (a constrained request has no drafts)
+            if request.is_finished:  # failed on its grammar
                 any_finished = True
                 continue
             if status is None:

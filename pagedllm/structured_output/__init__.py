@@ -4,6 +4,7 @@
                                                          compile_pool's processes); compiled grammars cached
     LLMEngine.add_request RequestGrammar(compiled)       a matcher: this request's place in its grammar
     Scheduler.schedule    fill_bitmask(requests)         which tokens each constrained row may take next
+                                                         (and after each draft token: speculative decoding)
     ModelRunner           apply_bitmask(logits)          the rest get -inf, before penalties and sampling
     update_from_output    grammar.accept(token)          a finished grammar stops the request
 

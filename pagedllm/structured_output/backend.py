@@ -40,6 +40,31 @@ class RequestGrammar:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (draft tokens: the rest
+        cannot be accepted). The matcher is left where it was."""
+        accepted = 0
+        for token_id in tokens:
+            if not self._matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
+        """Rows row .. row + len(draft): the tokens allowed here, then after each draft token in
+        turn (the positions a speculative step samples at); the matcher is left where it was.
+        The draft must be one the grammar allows (valid_prefix)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        for i, token_id in enumerate(draft):
+            if not self._matcher.accept_token(token_id):
+                self._matcher.rollback(i)
+                raise ValueError(f"draft token {token_id} does not follow the grammar")
+            self._matcher.fill_next_token_bitmask(bitmask, row + i + 1)
+        if draft:
+            self._matcher.rollback(len(draft))
+
     @property
     def is_terminated(self) -> bool:
         """The output is complete (the grammar's end, or a stop token after it)."""

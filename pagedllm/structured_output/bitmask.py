@@ -21,42 +21,55 @@ if TYPE_CHECKING:
 
 @dataclass
 class GrammarBitmask:
-    req_ids: list[str]
-    """The constrained requests that sample this step, one bitmask row each."""
+    rows: list[tuple[str, int]]
+    """Per bitmask row, its request and position in the step: 0 for the request's next token,
+    i for the token after its i-th draft token (speculative decoding)."""
     bitmask: torch.Tensor
-    """[len(req_ids), ceil(vocab / 32)] int32, on the CPU."""
+    """[len(rows), ceil(vocab / 32)] int32, on the CPU."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose matcher raised: they fail alone."""
 
 
-def fill_bitmask(grammars: Sequence[tuple[str, RequestGrammar]]) -> GrammarBitmask | None:
-    """Bitmask rows for (request id, grammar) pairs; None when there are none."""
+def fill_bitmask(grammars: Sequence[tuple[str, RequestGrammar, list[int]]]) -> GrammarBitmask | None:
+    """Bitmask rows for (request id, grammar, draft tokens checked this step) triples: one row per
+    position the request samples at; None when there are none.
+
+    A dead end (no token of the vocabulary may come next) at a request's next token fails the
+    request, as it would without speculation. One after a draft token has all bits set: a token
+    sampled there does not follow the grammar, and the request fails when it is accepted."""
     if not grammars:
         return None
     import xgrammar
 
-    bitmask = xgrammar.allocate_token_bitmask(len(grammars), grammars[0][1].vocab_size)
+    rows = [(req_id, i) for req_id, _, draft in grammars for i in range(len(draft) + 1)]
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), grammars[0][1].vocab_size)
     failed = {}
-    for row, (req_id, grammar) in enumerate(grammars):
+    first = 0
+    for req_id, grammar, draft in grammars:
         try:
-            grammar.fill_bitmask(bitmask, row)
+            grammar.fill_bitmasks(bitmask, first, draft)
         except Exception as error:  # one matcher's fault is its request's alone
             failed[req_id] = f"structured output: {type(error).__name__}: {error}"
-            continue
-        if not bitmask[row].any():  # a dead end: no token of this vocabulary can continue the output
-            failed[req_id] = (
-                f"{INVALID_REQUEST}structured_outputs: the output reached a point of the grammar that "
-                "no token of this model's vocabulary can continue"
-            )
-    return GrammarBitmask([req_id for req_id, _ in grammars], bitmask, failed)
+        else:
+            if not bitmask[first].any():
+                failed[req_id] = (
+                    f"{INVALID_REQUEST}structured_outputs: the output reached a point of the grammar "
+                    "that no token of this model's vocabulary can continue"
+                )
+            for row in range(first + 1, first + len(draft) + 1):
+                if not bitmask[row].any():
+                    bitmask[row] = -1
+        first += len(draft) + 1
+    return GrammarBitmask(rows, bitmask, failed)
 
 
-def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, row_of: dict[str, int]) -> None:
-    """Forbidden tokens of the constrained rows -> -inf, in place. logits: [rows, vocab] float32."""
+def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, first_row_of: dict[str, int]) -> None:
+    """Forbidden tokens of the constrained rows -> -inf, in place. logits: [rows, vocab] float32;
+    first_row_of: each sampling request's first row there (its next token's)."""
     import torch
     import xgrammar
 
-    rows = [row_of[req_id] for req_id in grammar.req_ids]
+    rows = [first_row_of[req_id] + position for req_id, position in grammar.rows]
     if rows != list(range(logits.shape[0])):  # free rows in the batch too: all bits set
         full = torch.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)
         full[rows] = grammar.bitmask

@@ -112,7 +112,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
             assert logits is not None  # rank 0 gets the whole vocabulary
             first_logits = _first_logits_rows(model_input.drafts)
-            if grammar_bitmask is not None:  # (a constrained request has no drafts: one row)
+            if grammar_bitmask is not None:  # a row per position a constrained request samples at
                 output.failed.update(grammar_bitmask.failed)
                 position = {
                     batch.req_ids[row]: first_logits[i] for i, row in enumerate(model_input.sampled_rows)

@@ -1,0 +1,132 @@
+"""Speculative decoding with structured output: a draft is cut before the first token the grammar
+does not allow, each position a step samples at is masked by the grammar's state there, and the
+output is what plain constrained decoding gives (greedy float32: the same tokens) or follows the
+grammar (sampled)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+import xgrammar
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.backend import RequestGrammar
+from pagedllm.structured_output.bitmask import fill_bitmask
+
+from .helpers import TEST_ENGINE_ARGS
+
+ITEM = {
+    "type": "object",
+    "properties": {
+        "product": {"type": "string", "maxLength": 40},
+        "quantity": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+    },
+    "required": ["product", "quantity", "colour"],
+    "additionalProperties": False,
+}
+ORDER = '{"product": "garden chair", "quantity": 12, "colour": "green"}'
+PROMPTS = [
+    f"The order, as JSON: {ORDER}\nThe same order again, as JSON: ",
+    f"Orders: {ORDER}, {ORDER.replace('12', '7')}\nThe first order, as JSON: ",
+]
+
+
+def _grammar(llm: LLM, **spec) -> RequestGrammar:
+    processor = llm.llm_engine.input_processor
+    return RequestGrammar(processor.compile_grammar(StructuredOutputsParams(**spec)))
+
+
+def _fill(grammar: RequestGrammar) -> torch.Tensor:
+    bitmask = xgrammar.allocate_token_bitmask(1, grammar.vocab_size)
+    grammar.fill_bitmask(bitmask, 0)
+    return bitmask[0].clone()
+
+
+def test_a_draft_is_valid_up_to_the_first_token_the_grammar_refuses(llm):
+    grammar = _grammar(llm, json=json.dumps(ITEM))
+    encode = llm.get_tokenizer().encode
+    tokens = encode(ORDER, add_special_tokens=False)
+    head = encode('{"product": "garden chair", "quantity": 12', add_special_tokens=False)
+    refused = encode("]", add_special_tokens=False)  # not after a number, nor first
+    before = _fill(grammar)
+    assert grammar.valid_prefix(tokens) == len(tokens)
+    assert grammar.valid_prefix(head + refused + tokens) == len(head)
+    assert grammar.valid_prefix(refused + tokens) == 0
+    assert torch.equal(_fill(grammar), before)  # the matcher is where it was
+
+
+def test_the_bitmask_has_each_position_s_row_as_plain_decoding_would_fill_it(llm):
+    tokens = llm.get_tokenizer().encode(ORDER, add_special_tokens=False)
+    speculating, plain = _grammar(llm, json=json.dumps(ITEM)), _grammar(llm, json=json.dumps(ITEM))
+    for token_id in tokens[:3]:  # somewhere inside the output
+        assert speculating.accept(token_id) and plain.accept(token_id)
+    draft = tokens[3:8]
+    free = _grammar(llm, regex="[a-z]+")
+    filled = fill_bitmask([("spec", speculating, draft), ("free", free, [])])
+    assert filled is not None and not filled.failed
+    assert filled.rows == [("spec", i) for i in range(len(draft) + 1)] + [("free", 0)]
+    for i in range(len(draft) + 1):
+        assert torch.equal(filled.bitmask[i], _fill(plain)), i
+        if i < len(draft):
+            assert plain.accept(draft[i])
+    assert torch.equal(_fill(speculating), _fill(_grammar_after(llm, tokens[:3])))
+
+
+def _grammar_after(llm: LLM, tokens: list[int]) -> RequestGrammar:
+    grammar = _grammar(llm, json=json.dumps(ITEM))
+    for token_id in tokens:
+        assert grammar.accept(token_id)
+    return grammar
+
+
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
+    return LLM(
+        **TEST_ENGINE_ARGS,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        max_num_seqs=4,
+    )
+
+
+def _constrained(**fields) -> SamplingParams:
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=json.dumps(ITEM)), **fields)
+
+
+def test_greedy_constrained_output_is_the_same_with_speculation(llm, spec_llm):
+    params = [
+        _constrained(temperature=0.0, max_tokens=48),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),  # a free request beside them
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            structured_outputs=StructuredOutputsParams(regex=r'\{"product": "[a-z ]+'),
+        ),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert (g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
+            w.outputs[0].token_ids,
+            w.outputs[0].finish_reason,
+        )
+    jsonschema.validate(json.loads(got[0].outputs[0].text), ITEM)
+    for constrained in (got[0], got[2]):  # they checked drafts and kept some
+        assert constrained.draft_tokens is not None and constrained.draft_tokens[1] > 0, (
+            constrained.draft_tokens
+        )
+
+
+def test_sampled_constrained_output_follows_the_grammar_with_speculation(spec_llm):
+    outputs = spec_llm.generate(
+        PROMPTS * 4, _constrained(temperature=0.8, max_tokens=64, seed=None), use_tqdm=False
+    )
+    for output in outputs:
+        if output.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(output.outputs[0].text), ITEM)
+    assert sum(output.draft_tokens[1] for output in outputs) > 0
