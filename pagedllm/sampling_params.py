@@ -227,10 +227,10 @@ class SamplingParams:
     def allows_speculation(self) -> bool:
         """Whether draft tokens may be checked for this request with its output unchanged: not
         where a token's settings depend on the tokens before it in ways a step's positions do not
-        carry (penalties), where logprobs are asked for, or where a seed fixes the draws (a
-        seeded request's tokens are those of plain sampling, draw for draw). A grammar is carried
-        per position (the scheduler's bitmask has a row for each)."""
-        return not self.has_penalties and self.logprobs is None and (self.is_greedy or self.seed is None)
+        carry (penalties), or where a seed fixes the draws (a seeded request's tokens are those
+        of plain sampling, draw for draw). A grammar and logprobs are carried per position (the
+        scheduler's bitmask has a row for each; each token's logprobs come from its own row)."""
+        return not self.has_penalties and (self.is_greedy or self.seed is None)
 
     def per_sequence(self) -> list[SamplingParams]:
         """One n=1 copy per sequence: sequence j draws with seed + j, as vLLM fans out n."""

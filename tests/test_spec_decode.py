@@ -90,9 +90,9 @@ def test_greedy_check_keeps_the_argmax_run_and_corrects_the_first_miss():
     logits = torch.tensor([[0.0, 5, 0, 0], [0, 0, 5, 0], [5.0, 0, 0, 0], [0, 0, 0, 5]])
     sampler = Sampler(torch.device("cpu"), seed=0)
     # argmaxes 1 2 0 3: drafts [1, 2, 3] -> 1, 2 accepted, 3 replaced by 0; a full match gets 1 more
-    assert sampler.verify(logits, _metadata(4, True), [[1, 2, 3]]) == [[1, 2, 0]]
-    assert sampler.verify(logits[:3], _metadata(3, True), [[1, 2]]) == [[1, 2, 0]]
-    assert sampler.verify(logits, _metadata(4, True), [[3], [2]]) == [[1], [0]]
+    assert sampler.verify(logits, _metadata(4, True), [[1, 2, 3]])[0] == [[1, 2, 0]]
+    assert sampler.verify(logits[:3], _metadata(3, True), [[1, 2]])[0] == [[1, 2, 0]]
+    assert sampler.verify(logits, _metadata(4, True), [[3], [2]])[0] == [[1], [0]]
 
 
 def _chi_square_p_value(observed: Counter, expected: dict[int, float], n: int) -> float:
@@ -117,7 +117,7 @@ def test_rejection_sampling_draws_each_token_from_the_target_distribution():
     thirds: Counter = Counter()
     n = 8_000
     for _ in range(n):
-        tokens = sampler.verify(logits, _metadata(3, False), [[1, 2]])[0]
+        tokens = sampler.verify(logits, _metadata(3, False), [[1, 2]])[0][0]
         firsts[tokens[0]] += 1
         if tokens[0] == 1:
             seconds[tokens[1]] += 1
@@ -184,6 +184,31 @@ def test_stop_conditions_end_where_they_end_without_speculation(llm, spec_llm):
             want.stop_reason,
         ), params
     assert spec_llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_logprobs_with_speculation_are_plain_decoding_s(llm, spec_llm):
+    """A request asking for logprobs checks drafts too; each token's logprobs (its own and the
+    top 3) come from its own position, as plain decoding reports them; a stop string inside an
+    accepted run cuts them with the tokens."""
+    plain = llm.generate(REPETITIVE, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    text = plain.outputs[0].text
+    cases = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0, stop=[text[20:26]]),
+    ]
+    for params in cases:
+        want = llm.generate(REPETITIVE, params, use_tqdm=False)[0]
+        got = spec_llm.generate(REPETITIVE, params, use_tqdm=False)[0]
+        assert got.draft_tokens is not None and got.draft_tokens[1] > 0, "drafts were checked and kept"
+        w, g = want.outputs[0], got.outputs[0]
+        assert (g.token_ids, g.text) == (w.token_ids, w.text)
+        assert len(g.logprobs) == len(w.logprobs) == len(w.token_ids)
+        for position, (w_entry, g_entry) in enumerate(zip(w.logprobs, g.logprobs, strict=True)):
+            assert list(g_entry) == list(w_entry), position  # the same tokens, in rank order
+            for token_id, entry in w_entry.items():
+                assert g_entry[token_id].rank == entry.rank
+                assert g_entry[token_id].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
 
 
 def test_aborts_while_checking_drafts_give_every_block_back(spec_llm):

@@ -86,7 +86,8 @@ class ModelRunnerOutput:
     """Request id -> its new tokens: one, or with draft tokens the accepted ones and one more."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Request id -> draft tokens proposed for its next step (speculative decoding)."""
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """For requests that asked: one entry per new token."""
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     """For requests that asked: one entry per prompt token this step scored."""
     failed: dict[str, str] = field(default_factory=dict)

@@ -329,8 +329,7 @@ class Scheduler:
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
-            logprobs = runner_output.logprobs.get(req_id)
-            output = EngineCoreOutput(req_id, [], [logprobs] if logprobs else [], prompt_logprobs)
+            output = EngineCoreOutput(req_id, [], [], prompt_logprobs)
             status = None
             for token_id in token_ids:  # up to the first that ends the request
                 request.append_output_token_id(token_id)
@@ -342,6 +341,9 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
+            logprobs = runner_output.logprobs.get(req_id)
+            if logprobs:
+                output.new_logprobs = logprobs[: len(output.new_token_ids)]
             if request.is_finished:  # failed on its grammar
                 any_finished = True
                 continue

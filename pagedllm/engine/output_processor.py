@@ -94,7 +94,7 @@ class OutputProcessor:
         if stop is not None:
             core.finish_reason, core.stop_reason = "stop", stop
         if state.logprobs is not None:
-            self._append_logprobs(state, core.new_logprobs)
+            self._append_logprobs(state, core.new_logprobs[: state.detokenizer.num_taken])
         if state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(self._to_dicts(core.new_prompt_logprobs))
 

@@ -36,10 +36,11 @@ class Sampler:
 
     def verify(
         self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]]
-    ) -> list[list[int]]:
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Speculative decoding's check, per request: logits has len(d) + 1 rows for each draft d
         (the positions of its last token and of each draft token), metadata one row per logits
-        row. Returns each request's tokens: the accepted draft tokens, then one more.
+        row. Returns each request's tokens: the accepted draft tokens, then one more; and each
+        token's logprobs, from its own position's row, as plain sampling reports them.
 
         Greedy: a draft token is accepted while it is the argmax, and the first that is not is
         replaced by the argmax, so the tokens are those plain decoding gives. Otherwise
@@ -47,6 +48,8 @@ class Sampler:
         with target distribution p is accepted with probability p(d); on a rejection the token is
         drawn from p with d removed, renormalized; after all are accepted, the next is drawn from
         the last position's p. Each token is then distributed as plain sampling's."""
+        wants_logprobs = any(k is not None for k in metadata.num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = _adjusted(logits, metadata)
         greedy_tokens = argmax(logits).tolist()
         probs = None if metadata.all_greedy else self._probs(logits, metadata)
@@ -76,7 +79,27 @@ class Sampler:
                     break
             results.append(tokens)
             first += len(draft) + 1
-        return results
+        if raw_logprobs is None:
+            return results, [[None] * len(tokens) for tokens in results]
+        return results, self._logprobs_of_runs(raw_logprobs, metadata, drafts, results)
+
+    @staticmethod
+    def _logprobs_of_runs(
+        raw_logprobs: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]], runs: list[list[int]]
+    ) -> list[list[TokenLogprobs | None]]:
+        """Each run's tokens' logprobs: token j of a request's run at its row first + j."""
+        rows, firsts, first = [], [], 0
+        for draft, tokens in zip(drafts, runs, strict=True):
+            firsts.append(len(rows))
+            rows += range(first, first + len(tokens))
+            first += len(draft) + 1
+        flat = [token for tokens in runs for token in tokens]
+        entries = gather_logprobs(
+            raw_logprobs[rows],
+            torch.tensor(flat, device=raw_logprobs.device),
+            [metadata.num_logprobs[row] for row in rows],
+        )
+        return [entries[at : at + len(tokens)] for at, tokens in zip(firsts, runs, strict=True)]
 
     def _draw(self, p: torch.Tensor) -> int:
         """One token from the (unnormalized) probabilities p, by the exponential race."""

@@ -163,10 +163,10 @@ class ModelRunner:
         metadata_rows = [
             model_input.sampled_rows[i] for i in group for _ in range(len(model_input.drafts[i]) + 1)
         ]
-        tokens = self.sampler.verify(
+        tokens, logprobs = self.sampler.verify(
             logits[logits_rows], self.input_batch.sampling_metadata(metadata_rows), drafts
         )
-        self._record(output, tokens, [None] * len(rows), rows)
+        self._record(output, tokens, logprobs, rows)
 
     def _propose(self, rows: list[int], output: ModelRunnerOutput) -> None:
         """Draft tokens for the next step of the requests that sampled and may speculate."""
@@ -204,19 +204,24 @@ class ModelRunner:
                 with _failing_alone(output, batch.req_ids[row]):
                     alone = batch.sampling_metadata([row])
                     token, logprob = self.sampler(logits[i : i + 1], alone)
-                    self._record(output, [token], logprob, [row])
+                    self._record(output, [token], [logprob], [row])
             return
-        self._record(output, [[token] for token in tokens], logprobs, rows)
+        self._record(output, [[token] for token in tokens], [[lp] for lp in logprobs], rows)
 
     def _record(
-        self, output: ModelRunnerOutput, tokens: list[list[int]], logprobs: list, rows: list[int]
+        self,
+        output: ModelRunnerOutput,
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprobs | None]],
+        rows: list[int],
     ) -> None:
+        """Each row's new tokens and, per token, its logprobs (None where not asked for)."""
         batch = self.input_batch
-        for row, new_tokens, lp in zip(rows, tokens, logprobs, strict=True):
+        for row, new_tokens, lps in zip(rows, tokens, logprobs, strict=True):
             req_id = batch.req_ids[row]
             output.sampled_token_ids[req_id] = new_tokens
-            if lp is not None:
-                output.logprobs[req_id] = lp
+            if lps and lps[0] is not None:
+                output.logprobs[req_id] = [lp for lp in lps if lp is not None]
         batch.append_tokens(rows, tokens)  # the runner's copy grows as the scheduler's
 
     def _score_prompt(self, hidden: torch.Tensor, row: int, first: int, num_rows: int) -> list[TokenLogprobs]:
