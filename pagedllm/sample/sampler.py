@@ -88,7 +88,9 @@ class Sampler:
         raw_logprobs: torch.Tensor, metadata: SamplingMetadata, drafts: list[list[int]], runs: list[list[int]]
     ) -> list[list[TokenLogprobs | None]]:
         """Each run's tokens' logprobs: token j of a request's run at its row first + j."""
-        rows, firsts, first = [], [], 0
+        rows: list[int] = []
+        firsts: list[int] = []
+        first = 0
         for draft, tokens in zip(drafts, runs, strict=True):
             firsts.append(len(rows))
             rows += range(first, first + len(tokens))
