@@ -226,11 +226,11 @@ class SamplingParams:
     @property
     def allows_speculation(self) -> bool:
         """Whether draft tokens may be checked for this request with its output unchanged: not
-        where a token's settings depend on the tokens before it in ways a step's positions do not
-        carry (penalties), or where a seed fixes the draws (a seeded request's tokens are those
-        of plain sampling, draw for draw). A grammar and logprobs are carried per position (the
-        scheduler's bitmask has a row for each; each token's logprobs come from its own row)."""
-        return not self.has_penalties and (self.is_greedy or self.seed is None)
+        where a seed fixes the draws (a seeded request's tokens are those of plain sampling, draw
+        for draw). What depends on the tokens before a position is carried per position: the
+        grammar (the scheduler's bitmask has a row for each), penalties (they count the draft
+        tokens before it as output), logprobs (each token's from its own row)."""
+        return self.is_greedy or self.seed is None
 
     def per_sequence(self) -> list[SamplingParams]:
         """One n=1 copy per sequence: sequence j draws with seed + j, as vLLM fans out n."""

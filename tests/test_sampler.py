@@ -160,3 +160,18 @@ def test_n_fans_out_with_distinct_seeds(llm):
             "Name a color:", SamplingParams(temperature=1.0, seed=5 + j, max_tokens=8), use_tqdm=False
         )[0]
         assert choice.token_ids == alone.outputs[0].token_ids
+
+
+def test_penalties_at_checked_positions_count_the_draft_tokens_before_them():
+    """Speculative decoding: position j of a request checking draft d is penalized as if d[:j]
+    were output already (as plain decoding's step there would be)."""
+    req = request(prompt=(1, 2), output=(3,), temperature=0, frequency_penalty=1.0)
+    batch = InputBatch(1, 16, 1, 8, torch.device("cpu"))
+    draft = [4, 4, 5]
+    batch.update(SchedulerOutput(new_requests=[req], scheduled_spec_decode_tokens={"r": draft}))
+    row = batch.row_of["r"]
+    checked = batch.sampling_metadata([row] * 4, drafts_before=[0, 1, 2, 3])
+    penalized = apply_penalties(torch.zeros(4, 8), checked.penalties)
+    for j in range(4):
+        counts = torch.bincount(torch.tensor([3, *draft[:j]]), minlength=8).float()
+        assert torch.equal(penalized[j], -counts), j

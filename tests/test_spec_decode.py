@@ -211,6 +211,19 @@ def test_logprobs_with_speculation_are_plain_decoding_s(llm, spec_llm):
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    "penalty", [{"repetition_penalty": 1.1}, {"frequency_penalty": 0.3}, {"presence_penalty": 0.5}]
+)
+def test_penalties_count_the_draft_tokens_before_each_position(llm, spec_llm, penalty):
+    """Greedy with a penalty: each checked position is penalized for the draft tokens before it
+    as plain decoding penalizes the tokens it sampled, so the tokens are plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **penalty)
+    want = llm.generate(REPETITIVE, params, use_tqdm=False)[0]
+    got = spec_llm.generate(REPETITIVE, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.draft_tokens is not None and got.draft_tokens[1] > 0, "drafts were checked and kept"
+
+
 def test_aborts_while_checking_drafts_give_every_block_back(spec_llm):
     engine: LLMEngine = spec_llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)

@@ -111,8 +111,10 @@ class InputBatch:
 
     # ---- what a step reads ---------------------------------------------------------------------
 
-    def sampling_metadata(self, rows: list[int]) -> SamplingMetadata:
-        """The sampler's view of these rows, in this order (the order of the logits' rows)."""
+    def sampling_metadata(self, rows: list[int], drafts_before: list[int] | None = None) -> SamplingMetadata:
+        """The sampler's view of these rows, in this order (the order of the logits' rows).
+        drafts_before (speculative decoding): per logits row, how many of its request's draft
+        tokens come before that position; penalties count them as output there."""
         index = torch.tensor(rows)
         is_greedy = [self._greedy[row] for row in rows]
         cuts_top = any(self._cuts_top[row] for row in rows)
@@ -129,17 +131,23 @@ class InputBatch:
                 for i, row in enumerate(rows)
                 if (generator := self.generators.get(self.req_ids[row])) is not None
             },
-            penalties=self._penalties([i for i, row in enumerate(rows) if self._penalized[row]], index),
+            penalties=self._penalties(
+                [i for i, row in enumerate(rows) if self._penalized[row]], index, drafts_before
+            ),
             logit_bias=self._logit_biases(rows),
             banned=self._banned(rows),
             num_logprobs=[self._num_logprobs[row] for row in rows],
         )
 
-    def _penalties(self, positions: list[int], index: torch.Tensor) -> Penalties | None:
+    def _penalties(
+        self, positions: list[int], index: torch.Tensor, drafts_before: list[int] | None
+    ) -> Penalties | None:
         if not positions:
             return None
         rows = index[positions]
         num_prompt, num_tokens = self.num_prompt_tokens[rows][:, None], self.num_tokens[rows][:, None]
+        if drafts_before is not None:  # the drafts follow the known tokens in the row
+            num_tokens = num_tokens + torch.tensor([drafts_before[i] for i in positions])[:, None]
         length = int(num_tokens.max())
         column = torch.arange(length)[None, :]
         return Penalties(

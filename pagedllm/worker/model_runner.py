@@ -163,8 +163,9 @@ class ModelRunner:
         metadata_rows = [
             model_input.sampled_rows[i] for i in group for _ in range(len(model_input.drafts[i]) + 1)
         ]
+        drafts_before = [j for i in group for j in range(len(model_input.drafts[i]) + 1)]
         tokens, logprobs = self.sampler.verify(
-            logits[logits_rows], self.input_batch.sampling_metadata(metadata_rows), drafts
+            logits[logits_rows], self.input_batch.sampling_metadata(metadata_rows, drafts_before), drafts
         )
         self._record(output, tokens, logprobs, rows)
 
