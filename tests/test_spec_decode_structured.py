@@ -130,3 +130,35 @@ def test_sampled_constrained_output_follows_the_grammar_with_speculation(spec_ll
         if output.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(output.outputs[0].text), ITEM)
     assert sum(output.draft_tokens[1] for output in outputs) > 0
+
+
+FORM = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 30},
+        "delivery_street_address": {"type": "string", "maxLength": 40},
+        "number_of_items_ordered": {"type": "integer", "minimum": 1, "maximum": 99},
+    },
+    "required": ["customer_full_name", "delivery_street_address", "number_of_items_ordered"],
+    "additionalProperties": False,
+}
+
+
+def test_tokens_the_grammar_forces_are_checked_as_drafts(llm):
+    """No JSON in the prompt for the n-gram proposer to copy: the drafts are the schema's keys,
+    which the grammar forces; the output is plain constrained decoding's."""
+    spec = LLM(
+        **TEST_ENGINE_ARGS,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 4},
+    )
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=80,
+        structured_outputs=StructuredOutputsParams(json=json.dumps(FORM), disable_any_whitespace=True),
+    )
+    prompt = "A customer called to order garden chairs. Their order, as a form: "
+    want = llm.generate(prompt, params, use_tqdm=False)[0]
+    got = spec.generate(prompt, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    jsonschema.validate(json.loads(got.outputs[0].text), FORM)
+    assert got.draft_tokens is not None and got.draft_tokens[1] >= 10, got.draft_tokens  # the keys' tokens

@@ -169,10 +169,14 @@ class Scheduler:
         its cost: a request checks drafts while the share of them it has been accepting beats
         what a row costs a step of this size (StepCostModel); otherwise one draft token now and
         then (a probe, so a request that starts quoting its context is noticed), rarer as rows
-        get dearer, so probes cost a step about 1% at most. A constrained request's draft also
-        stops before the first token its grammar does not allow: that one could not be accepted."""
+        get dearer, so probes cost a step about 1% at most.
+
+        A constrained request's draft stops before the first token its grammar refuses (that one
+        could not be accepted); where the grammar itself forces a longer run of tokens from here
+        (a JSON schema's keys and punctuation: xgrammar's jump-forward tokens), that run is the
+        draft instead, up to num_speculative_tokens."""
         spec = self.config.speculation
-        if spec is None or not request.spec_token_ids:
+        if spec is None or not (request.spec_token_ids or request.grammar is not None):
             return []
         if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
             return []
@@ -185,10 +189,25 @@ class Scheduler:
         if request.draft_acceptance <= row_cost:
             probe_every = max(8, math.ceil(100 * row_cost))
             limit = min(limit, 1 if request.num_output_tokens % probe_every == 0 else 0)
-        draft = request.spec_token_ids[: max(0, limit)]
-        if draft and request.grammar is not None:
-            draft = draft[: request.grammar.valid_prefix(draft)]
-        return draft
+        if limit <= 0:
+            return []
+        if request.grammar is not None:
+            return self._constrained_draft(request, spec.num_speculative_tokens)[:limit]
+        return request.spec_token_ids[:limit]
+
+    @staticmethod
+    def _constrained_draft(request: Request, max_tokens: int) -> list[int]:
+        """The longer of the proposer's draft up to the first token the grammar refuses and the
+        tokens the grammar forces from here. Forced tokens only where the proposer may draft for
+        this request (SamplingParams.allows_speculation, min_tokens reached)."""
+        assert request.grammar is not None
+        proposed = request.spec_token_ids
+        proposed = proposed[: request.grammar.valid_prefix(proposed)] if proposed else []
+        params = request.sampling_params
+        if not params.allows_speculation or request.num_output_tokens < params.min_tokens:
+            return proposed
+        forced = request.grammar.forced_tokens()[:max_tokens]
+        return forced if len(forced) > len(proposed) else proposed
 
     def _record_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
         assert self.spec_decode_stats is not None  # drafts are scheduled only with speculation on

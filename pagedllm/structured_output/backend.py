@@ -40,6 +40,12 @@ class RequestGrammar:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar allows no alternative to from here (xgrammar's jump-forward
+        tokens: no stop token, and not a last one that a longer token could extend); the
+        matcher stays where it is."""
+        return self._matcher.find_jump_forward_tokens()
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar allows from here (draft tokens: the rest
         cannot be accepted). The matcher is left where it was."""
