@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from offline import alternate, close  # noqa: E402
 from workloads import chat_requests  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
@@ -45,15 +45,9 @@ def main() -> None:
         settings = {"max_num_seqs": c, "kv_cache_memory_bytes": "2GiB", "disable_log_stats": True}
         engines = {"off": LLM(**settings), "on": LLM(**settings, speculative_config=NGRAM)}
         conversations = [[{"role": "user", "content": r.turns[0]}] for r in chat_requests(max(4, 2 * c))]
-        tokens = dict.fromkeys(engines, 0)
-        seconds = dict.fromkeys(engines, 0.0)
-        for _ in range(args.repeats):
-            for name, llm in engines.items():
-                start = time.perf_counter()
-                outputs = llm.chat(conversations, params, use_tqdm=False)
-                seconds[name] += time.perf_counter() - start
-                tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
-        rates = {name: tokens[name] / seconds[name] for name in engines}
+        rates, _ = alternate(
+            engines, lambda llm, chats=conversations: llm.chat(chats, params, use_tqdm=False), args.repeats
+        )
         spec = engines["on"].llm_engine.get_stats().spec_decode
         assert spec is not None
         print(
@@ -62,8 +56,7 @@ def main() -> None:
             f"{spec.mean_acceptance_length:.2f} |",
             flush=True,
         )
-        for llm in engines.values():
-            llm.llm_engine.close()
+        close(engines)
 
 
 if __name__ == "__main__":

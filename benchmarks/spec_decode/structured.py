@@ -17,14 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import time
+import sys
 from pathlib import Path
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.cpu_features import describe_host
-from pagedllm.sampling_params import StructuredOutputsParams
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from offline import alternate, close  # noqa: E402
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.cpu_features import describe_host  # noqa: E402
+from pagedllm.sampling_params import StructuredOutputsParams  # noqa: E402
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 ORDER = {
@@ -101,31 +104,24 @@ def main() -> None:
         engines = {"off": LLM(**settings), "on": LLM(**settings, speculative_config=NGRAM)}
         for workload, make_prompts in WORKLOADS.items():
             prompts = make_prompts(max(4, 2 * c))
-            tokens = dict.fromkeys(engines, 0)
-            seconds = dict.fromkeys(engines, 0.0)
-            outputs = {}
-            drafted = accepted = 0
-            for _ in range(args.repeats):
-                for name, llm in engines.items():
-                    start = time.perf_counter()
-                    outputs[name] = llm.generate(prompts, params, use_tqdm=False)
-                    seconds[name] += time.perf_counter() - start
-                    tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs[name])
-                drafted += sum(o.draft_tokens[0] for o in outputs["on"] if o.draft_tokens)
-                accepted += sum(o.draft_tokens[1] for o in outputs["on"] if o.draft_tokens)
+            rates, rounds = alternate(
+                engines,
+                lambda llm, prompts=prompts: llm.generate(prompts, params, use_tqdm=False),
+                args.repeats,
+            )
+            drafted = sum(o.draft_tokens[0] for r in rounds for o in r["on"] if o.draft_tokens)
+            accepted = sum(o.draft_tokens[1] for r in rounds for o in r["on"] if o.draft_tokens)
             same = all(
                 a.outputs[0].token_ids == b.outputs[0].token_ids
-                for a, b in zip(outputs["off"], outputs["on"], strict=True)
+                for a, b in zip(rounds[-1]["off"], rounds[-1]["on"], strict=True)
             )
-            rates = {name: tokens[name] / seconds[name] for name in engines}
             print(
                 f"| {workload} | {c} | {len(prompts)} | {rates['off']:.1f} | {rates['on']:.1f} | "
                 f"**{rates['on'] / rates['off']:.2f}** | {accepted / max(1, drafted):.2f} "
                 f"({accepted:,} of {drafted:,}) | {'yes' if same else 'NO'} |",
                 flush=True,
             )
-        for llm in engines.values():
-            llm.llm_engine.close()
+        close(engines)
 
 
 if __name__ == "__main__":
