@@ -162,3 +162,66 @@ def test_tokens_the_grammar_forces_are_checked_as_drafts(llm):
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     jsonschema.validate(json.loads(got.outputs[0].text), FORM)
     assert got.draft_tokens is not None and got.draft_tokens[1] >= 10, got.draft_tokens  # the keys' tokens
+
+
+def test_a_draft_may_end_with_the_stop_token_where_the_grammar_ends(llm):
+    """The draft `yes <eos>` where the grammar is `yes | no`: the rows after the stop token allow
+    everything (the request ends there), no failure, and the matcher is left where it was."""
+    grammar = _grammar(llm, choice=["yes", "no"])
+    tokens = llm.get_tokenizer().encode("yes", add_special_tokens=False)
+    eos = llm.get_tokenizer().eos_token_id
+    before = _fill(grammar)
+    assert grammar.valid_prefix([*tokens, eos, *tokens]) == len(tokens) + 1
+    filled = fill_bitmask([("r", grammar, [*tokens, eos])])
+    assert filled is not None and not filled.failed and not filled.dead_ends
+    assert bool((filled.bitmask[len(tokens) + 1] == -1).all())  # after the stop token
+    assert torch.equal(_fill(grammar), before)
+
+
+class _DeadEndAfterThree:
+    """A grammar that allows tokens below 100 and whose state after three tokens admits none."""
+
+    vocab_size = 128
+
+    def __init__(self) -> None:
+        self.num_accepted = 0
+        self.is_terminated = False
+
+    def accept(self, token_id: int) -> bool:
+        if token_id >= 100 or self.num_accepted == 3:
+            return False
+        self.num_accepted += 1
+        return True
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return min(len(tokens), 3 - self.num_accepted)
+
+    def forced_tokens(self) -> list[int]:
+        return []
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
+        for i in range(len(draft) + 1):
+            bitmask[row + i] = 0 if self.num_accepted + i >= 3 else -1
+
+
+def test_a_dead_end_after_draft_tokens_keeps_the_tokens_before_it_and_fails_as_plain_decoding():
+    from pagedllm.core.outputs import ModelRunnerOutput
+    from pagedllm.structured_output.bitmask import DEAD_END
+
+    from .helpers import fake_run, make_request, make_scheduler
+
+    scheduler = make_scheduler(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    request = make_request("r", 6, max_tokens=20)
+    request.grammar = _DeadEndAfterThree()  # type: ignore[assignment]
+    scheduler.add_request(request)
+    output = scheduler.schedule()  # the prompt, and a first token
+    scheduler.grammar_bitmask(output)
+    scheduler.update_from_output(output, fake_run(scheduler, output, token=3, next_draft=[7, 8, 9]))
+    output = scheduler.schedule()
+    assert output.scheduled_spec_decode_tokens == {"r": [7, 8]}  # cut where the grammar ends
+    bitmask = scheduler.grammar_bitmask(output)
+    assert bitmask is not None and bitmask.dead_ends == {"r": 2} and not bitmask.failed
+    assert bool((bitmask.bitmask[2] == -1).all())
+    (failed,) = scheduler.update_from_output(output, ModelRunnerOutput({"r": [7, 8, 50]}))
+    assert failed.new_token_ids == [7, 8] and failed.error == DEAD_END
+    assert failed.finish_reason == "error" and "r" not in scheduler.requests

@@ -17,6 +17,7 @@ A step:
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -28,7 +29,9 @@ from pagedllm.core.step_cost import StepCostModel
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from pagedllm.request import Request, RequestStatus
-from pagedllm.structured_output.bitmask import GrammarBitmask, fill_bitmask
+from pagedllm.structured_output.bitmask import DEAD_END, GrammarBitmask, fill_bitmask
+
+logger = logging.getLogger(__name__)
 
 # lpm looks this far down the waiting queue, and lets the head be passed over at most
 # this many times before it is admitted regardless (bounded wait, no starvation).
@@ -71,6 +74,8 @@ class Scheduler:
         self.step_cost = StepCostModel()
         """Fitted from the engine's step timings: whether a draft row pays (speculation)."""
         self.spec_decode_stats = SpecDecodeStats() if config.speculation is not None else None
+        self._grammar_dead_ends: dict[str, int] = {}
+        """This step's GrammarBitmask.dead_ends (structured output with drafts)."""
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -117,6 +122,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
+        self._grammar_dead_ends = {}
         preempted: list[Request] = []
         token_budget = self._schedule_running(self.config.token_budget, output, preempted)
         if not preempted:
@@ -138,7 +144,9 @@ class Scheduler:
                 and request.num_computed_tokens + num_new - len(draft) == request.num_tokens
             ):
                 constrained.append((req_id, request.grammar, draft))
-        return fill_bitmask(constrained)
+        bitmask = fill_bitmask(constrained)
+        self._grammar_dead_ends = bitmask.dead_ends if bitmask is not None else {}
+        return bitmask
 
     def _schedule_running(self, token_budget: int, output: SchedulerOutput, preempted: list[Request]) -> int:
         index = 0
@@ -192,7 +200,11 @@ class Scheduler:
         if limit <= 0:
             return []
         if request.grammar is not None:
-            return self._constrained_draft(request, spec.num_speculative_tokens)[:limit]
+            try:
+                return self._constrained_draft(request, spec.num_speculative_tokens)[:limit]
+            except Exception:  # its matcher's fault: no drafts, and the bitmask fails it alone
+                logger.exception("Request %s: its grammar could not check drafts", request.req_id)
+                return []
         return request.spec_token_ids[:limit]
 
     @staticmethod
@@ -349,12 +361,13 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue
             output = EngineCoreOutput(req_id, [], [], prompt_logprobs)
-            status = None
+            status, grammar_error = None, None
             for token_id in token_ids:  # up to the first that ends the request
                 request.append_output_token_id(token_id)
                 self.num_generation_tokens += 1
                 if request.grammar is not None and not request.grammar.accept(token_id):
-                    outputs.append(self._fail(request, f"token {token_id} does not follow the grammar", now))
+                    dead_end = self._grammar_dead_ends.get(req_id) == len(output.new_token_ids)
+                    grammar_error = DEAD_END if dead_end else f"token {token_id} does not follow the grammar"
                     break
                 output.new_token_ids.append(token_id)
                 status = self._check_stop(request, token_id)
@@ -363,7 +376,11 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(req_id)
             if logprobs:
                 output.new_logprobs = logprobs[: len(output.new_token_ids)]
-            if request.is_finished:  # failed on its grammar
+            if grammar_error is not None:  # the tokens before the one refused are kept
+                failed = self._fail(request, grammar_error, now)
+                failed.new_token_ids, failed.new_logprobs = output.new_token_ids, output.new_logprobs
+                failed.new_prompt_logprobs = output.new_prompt_logprobs
+                outputs.append(failed)
                 any_finished = True
                 continue
             if status is None:

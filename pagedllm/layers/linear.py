@@ -34,7 +34,10 @@ _FEW_ROWS = 96
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """An unpacked weight on CPU: x: [num_rows, in_features] -> [num_rows, out_features]."""
+    """An unpacked weight on CPU: x: [num_rows, in_features] -> [num_rows, out_features]. Unlike
+    the packed paths, a row's result may depend on the rows beside it (the two orientations, and
+    MKL's own kernels by shape, sum in different orders): it serves only weights neither packed
+    path takes (float16; bfloat16 without bfloat16 instructions) and --linear-backend torch."""
     if x.shape[0] > _FEW_ROWS:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()

@@ -12,7 +12,8 @@ One path per weight, not one per row count: the paths sum in different orders, a
 row must come out the same whatever else shares its step. Prefix caching, chunked prefill and
 speculative decoding compute the same token's row in products of different sizes and must give
 the same tokens as the plain path; a weight split between paths by row count broke that (and
-held a second packed copy).
+held a second packed copy). The packed paths keep it; the unpacked FALLBACK (MKL, which picks its
+kernels by shape) does not promise it, and serves only weights no packed path takes.
 
 Timing: a random weight of the real shape, packed as the path packs it, in enough copies to
 overflow the last-level cache (a decode step streams its weights from memory, not from cache);

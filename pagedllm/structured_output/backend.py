@@ -61,15 +61,22 @@ class RequestGrammar:
     def fill_bitmasks(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
         """Rows row .. row + len(draft): the tokens allowed here, then after each draft token in
         turn (the positions a speculative step samples at); the matcher is left where it was.
-        The draft must be one the grammar allows (valid_prefix)."""
+        The draft must be one the grammar allows (valid_prefix). After a stop token the rows
+        allow everything: the request ends there, and what is sampled after it is dropped."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        for i, token_id in enumerate(draft):
-            if not self._matcher.accept_token(token_id):
-                self._matcher.rollback(i)
-                raise ValueError(f"draft token {token_id} does not follow the grammar")
-            self._matcher.fill_next_token_bitmask(bitmask, row + i + 1)
-        if draft:
-            self._matcher.rollback(len(draft))
+        accepted = 0
+        try:
+            for token_id in draft:
+                if not self._matcher.accept_token(token_id):
+                    raise ValueError(f"draft token {token_id} does not follow the grammar")
+                accepted += 1
+                if self._matcher.is_terminated():
+                    bitmask[row + accepted : row + len(draft) + 1] = -1
+                    break
+                self._matcher.fill_next_token_bitmask(bitmask, row + accepted)
+        finally:
+            if accepted:
+                self._matcher.rollback(accepted)
 
     @property
     def is_terminated(self) -> bool:

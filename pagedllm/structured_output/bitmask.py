@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from pagedllm.structured_output.backend import RequestGrammar
 
 
+DEAD_END = (
+    f"{INVALID_REQUEST}structured_outputs: the output reached a point of the grammar that no token of "
+    "this model's vocabulary can continue"
+)
+
+
 @dataclass
 class GrammarBitmask:
     rows: list[tuple[str, int]]
@@ -27,7 +33,10 @@ class GrammarBitmask:
     bitmask: torch.Tensor
     """[len(rows), ceil(vocab / 32)] int32, on the CPU."""
     failed: dict[str, str] = field(default_factory=dict)
-    """Requests whose matcher raised: they fail alone."""
+    """Requests whose matcher raised or is at a dead end: they fail alone."""
+    dead_ends: dict[str, int] = field(default_factory=dict)
+    """Request -> the first position after a draft token where no token can follow: the token
+    sampled there cannot be kept, and the request fails with DEAD_END after the ones before."""
 
 
 def fill_bitmask(grammars: Sequence[tuple[str, RequestGrammar, list[int]]]) -> GrammarBitmask | None:
@@ -35,15 +44,17 @@ def fill_bitmask(grammars: Sequence[tuple[str, RequestGrammar, list[int]]]) -> G
     position the request samples at; None when there are none.
 
     A dead end (no token of the vocabulary may come next) at a request's next token fails the
-    request, as it would without speculation. One after a draft token has all bits set: a token
-    sampled there does not follow the grammar, and the request fails when it is accepted."""
+    request, as it would without speculation. One after a draft token has all bits set (the
+    sampler needs some token there) and is listed in dead_ends: the scheduler keeps the tokens
+    before it and fails the request there, as plain decoding would one step later."""
     if not grammars:
         return None
     import xgrammar
 
     rows = [(req_id, i) for req_id, _, draft in grammars for i in range(len(draft) + 1)]
     bitmask = xgrammar.allocate_token_bitmask(len(rows), grammars[0][1].vocab_size)
-    failed = {}
+    failed: dict[str, str] = {}
+    dead_ends: dict[str, int] = {}
     first = 0
     for req_id, grammar, draft in grammars:
         try:
@@ -52,15 +63,13 @@ def fill_bitmask(grammars: Sequence[tuple[str, RequestGrammar, list[int]]]) -> G
             failed[req_id] = f"structured output: {type(error).__name__}: {error}"
         else:
             if not bitmask[first].any():
-                failed[req_id] = (
-                    f"{INVALID_REQUEST}structured_outputs: the output reached a point of the grammar "
-                    "that no token of this model's vocabulary can continue"
-                )
+                failed[req_id] = DEAD_END
             for row in range(first + 1, first + len(draft) + 1):
                 if not bitmask[row].any():
                     bitmask[row] = -1
+                    dead_ends.setdefault(req_id, row - first)
         first += len(draft) + 1
-    return GrammarBitmask(rows, bitmask, failed)
+    return GrammarBitmask(rows, bitmask, failed, dead_ends)
 
 
 def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, first_row_of: dict[str, int]) -> None:
