@@ -223,15 +223,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
-    def allows_speculation(self) -> bool:
-        """Whether draft tokens may be checked for this request with its output unchanged: not
-        where a seed fixes the draws (a seeded request's tokens are those of plain sampling, draw
-        for draw). What depends on the tokens before a position is carried per position: the
-        grammar (the scheduler's bitmask has a row for each), penalties (they count the draft
-        tokens before it as output), logprobs (each token's from its own row)."""
-        return self.is_greedy or self.seed is None
-
     def per_sequence(self) -> list[SamplingParams]:
         """One n=1 copy per sequence: sequence j draws with seed + j, as vLLM fans out n."""
         if self.n == 1:

@@ -224,6 +224,21 @@ def test_penalties_count_the_draft_tokens_before_each_position(llm, spec_llm, pe
     assert got.draft_tokens is not None and got.draft_tokens[1] > 0, "drafts were checked and kept"
 
 
+def test_a_seeded_request_samples_the_same_tokens_with_speculation(llm, spec_llm):
+    """A seed fixes the draws: with speculation the request draws position by position from its
+    own generator as plain sampling does, so its tokens are the same, while it still keeps the
+    drafts its draws agree with."""
+    kept = 0
+    for seed in range(4):
+        params = SamplingParams(temperature=0.7, top_k=8, max_tokens=40, ignore_eos=True, seed=seed)
+        want = llm.generate(REPETITIVE, params, use_tqdm=False)[0]
+        got = spec_llm.generate(REPETITIVE, params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, seed
+        assert got.draft_tokens is not None
+        kept += got.draft_tokens[1]
+    assert kept > 0, "drafts were checked and kept"
+
+
 def test_aborts_while_checking_drafts_give_every_block_back(spec_llm):
     engine: LLMEngine = spec_llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)

@@ -210,13 +210,12 @@ class Scheduler:
     @staticmethod
     def _constrained_draft(request: Request, max_tokens: int) -> list[int]:
         """The longer of the proposer's draft up to the first token the grammar refuses and the
-        tokens the grammar forces from here. Forced tokens only where the proposer may draft for
-        this request (SamplingParams.allows_speculation, min_tokens reached)."""
+        tokens the grammar forces from here. Forced tokens only once min_tokens is reached, as the
+        proposer's (min_tokens bans tokens by position)."""
         assert request.grammar is not None
         proposed = request.spec_token_ids
         proposed = proposed[: request.grammar.valid_prefix(proposed)] if proposed else []
-        params = request.sampling_params
-        if not params.allows_speculation or request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens < request.sampling_params.min_tokens:
             return proposed
         forced = request.grammar.forced_tokens()[:max_tokens]
         return forced if len(forced) > len(proposed) else proposed

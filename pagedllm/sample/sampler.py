@@ -47,7 +47,10 @@ class Sampler:
         rejection sampling with a deterministic proposer (q one-hot): draft token d at a position
         with target distribution p is accepted with probability p(d); on a rejection the token is
         drawn from p with d removed, renormalized; after all are accepted, the next is drawn from
-        the last position's p. Each token is then distributed as plain sampling's."""
+        the last position's p. Each token is then distributed as plain sampling's. A request with
+        a seed draws instead as plain sampling does, position by position from its own generator
+        (the exponential race), and keeps a draft token while that draw is it: the same tokens
+        as without speculation, draw for draw, and the same acceptance (d is drawn with p(d))."""
         wants_logprobs = any(k is not None for k in metadata.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = _adjusted(logits, metadata)
@@ -62,6 +65,11 @@ class Sampler:
                 if is_greedy[row]:
                     tokens.append(greedy_tokens[row])
                     accepted = i < len(draft) and greedy_tokens[row] == draft[i]
+                elif (generator := metadata.generators.get(row)) is not None:
+                    assert probs is not None
+                    noise = torch.empty_like(probs[row]).exponential_(generator=generator)
+                    tokens.append(int((probs[row] / noise).argmax()))
+                    accepted = i < len(draft) and tokens[-1] == draft[i]
                 else:
                     assert probs is not None
                     p = probs[row]

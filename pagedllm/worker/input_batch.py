@@ -60,8 +60,6 @@ class InputBatch:
         self._cuts_top = [False] * max_num_reqs
         """The row cuts by top-k or top-p."""
         self._penalized = [False] * max_num_reqs
-        self._speculates = [False] * max_num_reqs
-        """The row's settings allow draft tokens (SamplingParams.allows_speculation)."""
         self._logit_bias: dict[int, dict[int, float]] = {}
         self._min_tokens: dict[int, tuple[int, list[int]]] = {}
         """Row -> (min_tokens, the stop and end-of-sequence ids banned until then)."""
@@ -102,10 +100,8 @@ class InputBatch:
             self.num_tokens[row] = end + len(tokens)
 
     def speculates(self, row: int) -> bool:
-        """Whether draft tokens may be proposed for this row now: its settings allow them, and
-        min_tokens (which bans tokens by position) is reached."""
-        if not self._speculates[row]:
-            return False
+        """Whether draft tokens may be proposed for this row now: once min_tokens (which bans
+        tokens by position) is reached."""
         entry = self._min_tokens.get(row)
         return entry is None or int(self.num_tokens[row] - self.num_prompt_tokens[row]) >= entry[0]
 
@@ -230,7 +226,6 @@ class InputBatch:
         self._cuts_top[row] = int(self.top_k[row]) < self.vocab_size or params.top_p < 1.0
         self.min_p[row] = params.min_p
         self._penalized[row] = params.has_penalties
-        self._speculates[row] = params.allows_speculation
         self.repetition_penalty[row] = params.repetition_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.presence_penalty[row] = params.presence_penalty
