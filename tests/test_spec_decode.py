@@ -312,6 +312,30 @@ def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look():
             for family in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                 assert f"pagedllm:spec_decode_{family}_total{{" in metrics
             assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="' in metrics
+            schema = {  # the grammar's forced keys are drafts too
+                "type": "object",
+                "properties": {"first_word": {"type": "string"}, "second_word": {"type": "string"}},
+                "required": ["first_word", "second_word"],
+                "additionalProperties": False,
+            }
+            response = http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "The first two words of: " + REPETITIVE}],
+                    "max_tokens": 60,
+                    "temperature": 0,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "w", "schema": schema},
+                    },
+                },
+            )
+            assert response.status_code == 200, response.text
+            assert set(json.loads(response.json()["choices"][0]["message"]["content"])) == set(
+                schema["properties"]
+            )
+            assert response.json()["timings"]["draft_n_accepted"] > 0
     finally:
         server.stop()
     done = subprocess.run(  # a server that must not start: run to its end
