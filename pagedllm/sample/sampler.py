@@ -25,8 +25,7 @@ class Sampler:
         self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_reqs, vocab] float32. Returns the tokens and, per request, its logprobs."""
-        wants_logprobs = any(k is not None for k in metadata.num_logprobs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        raw_logprobs = _raw_logprobs(logits, metadata)
         logits = _adjusted(logits, metadata)
         tokens = argmax(logits) if metadata.all_greedy else self._sample(logits, metadata)
         token_list = tokens.tolist()
@@ -51,8 +50,7 @@ class Sampler:
         a seed draws instead as plain sampling does, position by position from its own generator
         (the exponential race), and keeps a draft token while that draw is it: the same tokens
         as without speculation, draw for draw, and the same acceptance (d is drawn with p(d))."""
-        wants_logprobs = any(k is not None for k in metadata.num_logprobs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        raw_logprobs = _raw_logprobs(logits, metadata)
         logits = _adjusted(logits, metadata)
         greedy_tokens = argmax(logits).tolist()
         probs = None if metadata.all_greedy else self._probs(logits, metadata)
@@ -67,8 +65,7 @@ class Sampler:
                     accepted = i < len(draft) and greedy_tokens[row] == draft[i]
                 elif (generator := metadata.generators.get(row)) is not None:
                     assert probs is not None
-                    noise = torch.empty_like(probs[row]).exponential_(generator=generator)
-                    tokens.append(int((probs[row] / noise).argmax()))
+                    tokens.append(self._draw(probs[row], generator))
                     accepted = i < len(draft) and tokens[-1] == draft[i]
                 else:
                     assert probs is not None
@@ -111,9 +108,10 @@ class Sampler:
         )
         return [entries[at : at + len(tokens)] for at, tokens in zip(firsts, runs, strict=True)]
 
-    def _draw(self, p: torch.Tensor) -> int:
-        """One token from the (unnormalized) probabilities p, by the exponential race."""
-        noise = torch.empty_like(p).exponential_(generator=self.generator)
+    def _draw(self, p: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """One token from the (unnormalized) probabilities p, by the exponential race: as
+        _sample draws a row, from `generator` (a seeded request's) or the sampler's own."""
+        noise = torch.empty_like(p).exponential_(generator=generator or self.generator)
         return int((p / noise).argmax())
 
     def _probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -133,6 +131,13 @@ class Sampler:
             noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(metadata.is_greedy.to(logits.device), argmax(logits), sampled)
+
+
+def _raw_logprobs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    """Log-probabilities before any adjustment, where a row asks for logprobs (as vLLM reports)."""
+    if all(k is None for k in metadata.num_logprobs):
+        return None
+    return torch.log_softmax(logits, dim=-1)
 
 
 def _adjusted(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
