@@ -288,7 +288,7 @@ def test_sampled_output_keeps_its_distribution_with_speculation(llm, spec_llm):
 # ---- served -------------------------------------------------------------------------------------
 
 
-def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look():
+def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look(tmp_path):
     """--speculative-config on the server: the start-up line, vLLM's spec_decode_* families on
     /metrics, acceptance in /stats, the response's timings (llama.cpp's draft_n fields), and a
     bad setting refused at start with its name."""
@@ -336,6 +336,7 @@ def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look():
                 schema["properties"]
             )
             assert response.json()["timings"]["draft_n_accepted"] > 0
+            _bench_serve_reports_each_requests_drafts(server, http, tmp_path)
     finally:
         server.stop()
     done = subprocess.run(  # a server that must not start: run to its end
@@ -352,6 +353,30 @@ def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look():
         timeout=120,
     )
     assert done.returncode != 0 and "unknown key(s) draft_model" in done.stdout + done.stderr
+
+
+def _bench_serve_reports_each_requests_drafts(server, http, tmp_path) -> None:
+    """`pagedllm bench serve` (the real client, streaming chat) keeps each request's draft counts
+    from its last chunk's timings, and they add up to what the server counted meanwhile."""
+    from pagedllm.entrypoints.cli.main import main as cli
+
+    workload, out = tmp_path / "chats.jsonl", tmp_path / "report.json"
+    lines = [
+        {"conversation_id": i, "turns": [REPETITIVE * (i + 1)], "max_tokens": 24, "ignore_eos": True}
+        for i in range(2)
+    ]
+    workload.write_text("\n".join(json.dumps(line) for line in lines))
+    before = http.get("/stats").json()["spec_decode"]
+    cli(["bench", "serve", "--base-url", server.url, "--workload", str(workload), "--output-json", str(out)])
+    after = http.get("/stats").json()["spec_decode"]
+    report = json.loads(out.read_text())
+    requests = report["requests"]
+    assert all(r["draft_tokens"] >= r["accepted_draft_tokens"] >= 0 for r in requests)
+    drafts, accepted = (sum(r[key] for r in requests) for key in ("draft_tokens", "accepted_draft_tokens"))
+    assert accepted > 0
+    assert drafts == after["num_draft_tokens"] - before["num_draft_tokens"]
+    assert accepted == after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert report["draft_acceptance_rate"] == pytest.approx(accepted / drafts)
 
 
 def _ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -36,6 +36,9 @@ class CellRun:
     """CPU time of processes other than this server and the client, over the run's CPU time."""
     counts: SpecCounts | None = None
     counts_source: str | None = None
+    least_acceptance: float | None = None
+    """The lowest acceptance rate of a request in the run (from each response's draft counts; None
+    where the server reports none): in a closed loop of a few requests that one sets the end."""
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -68,6 +71,10 @@ class Cell:
     def pair_ratios(self, mode: str) -> list[float]:
         pairs = zip(self.runs.get("off", []), self.runs.get(mode, []), strict=False)
         return [on.output_tokens_per_s / off.output_tokens_per_s for off, on in pairs if off.elapsed_s]
+
+    def least_acceptance(self, mode: str) -> float | None:
+        rates = [r.least_acceptance for r in self.runs.get(mode, []) if r.least_acceptance is not None]
+        return min(rates) if rates else None
 
     def counts(self, mode: str) -> tuple[SpecCounts, str] | None:
         """Summed server counts where every run has them, else the offline ones, else None."""
@@ -108,6 +115,7 @@ class Cell:
                 "ratio_to_off": self.ratio(mode),
                 "pair_ratios": self.pair_ratios(mode),
                 "acceptance_rate": counts[0].acceptance_rate if counts else None,
+                "least_request_acceptance": self.least_acceptance(mode),
                 "mean_acceptance_length": counts[0].mean_acceptance_length if counts else None,
                 "counts": dataclasses.asdict(counts[0]) if counts else None,
                 "counts_source": counts[1] if counts else None,
@@ -136,10 +144,16 @@ def bench_serve(server, workload: Path, num_requests: int, c: int, out: Path) ->
     share = other_s / ((time.monotonic() - before[3]) * (os.cpu_count() or 1))
     report = json.loads(out.read_text())
     tpot = report.get("tpot_s") or {}
+    rates = [
+        r["accepted_draft_tokens"] / r["draft_tokens"]
+        for r in report["requests"]
+        if r.get("error") is None and r.get("draft_tokens")
+    ]
     return CellRun(
         output_tokens=sum(r["output_tokens"] for r in report["requests"] if r.get("error") is None),
         elapsed_s=report["elapsed_s"],
         num_failed=report["num_failed"],
         tpot_p50_s=tpot.get("p50"),
         other_cpu_share=max(share, 0.0),
+        least_acceptance=min(rates) if rates else None,
     )

@@ -27,10 +27,11 @@ def _row(*cells: object) -> str:
 
 def print_table(engine: str, cells: list[Cell], methods: list[str]) -> None:
     """Output tokens/s off and per method, on/off of the sums (each pair's ratio beside it), and
-    the acceptance figures, marked where the offline engine supplied them."""
+    the acceptance figures, marked where the offline engine supplied them, with the lowest
+    acceptance of one request (the one a closed loop of a few requests waits for)."""
     header = ["workload", "in flight", "requests", "off tok/s"]
     for m in methods:
-        header += [f"{m} tok/s", f"{m} / off", "per pair", "acceptance", "mean acc. len"]
+        header += [f"{m} tok/s", f"{m} / off", "per pair", "acceptance", "mean acc. len", "least request"]
     print(f"\n{engine}: output tokens/s, speculation off vs on")
     print(_row(*header))
     print(_row(*["---"] * len(header)))
@@ -43,5 +44,5 @@ def print_table(engine: str, cells: list[Cell], methods: list[str]) -> None:
             length = counts[0].mean_acceptance_length if counts else None
             pairs = " ".join(f"{r:.2f}" for r in cell.pair_ratios(m)) or "-"
             row += [_fmt(cell.tokens_per_s(m), ".1f"), _fmt(cell.ratio(m), ".2f"), pairs]
-            row += [_fmt(rate, ".2f") + mark, _fmt(length, ".2f")]
+            row += [_fmt(rate, ".2f") + mark, _fmt(length, ".2f"), _fmt(cell.least_acceptance(m), ".2f")]
         print(_row(*row) + (" other processes busy: noisy" if cell.busy else ""), flush=True)

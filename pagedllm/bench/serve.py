@@ -173,6 +173,9 @@ async def _stream(
                     record.output_tokens = usage.get("completion_tokens", record.output_tokens)
                     details = usage.get("prompt_tokens_details") or {}
                     record.cached_tokens = details.get("cached_tokens")
+                if (timings := chunk.get("timings")) and "draft_n" in timings:  # the choice's last chunk
+                    record.draft_tokens = timings["draft_n"]
+                    record.accepted_draft_tokens = timings.get("draft_n_accepted")
         if record.ttft_s is None:
             raise RuntimeError("the stream ended before any token")
     except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as error:

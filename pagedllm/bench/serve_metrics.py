@@ -11,6 +11,9 @@ any time in a second, which a closed loop of N clients takes past N).
     TPOT = (E2EL - TTFT) / (output tokens - 1) E2EL = end of stream - send
     goodput = requests/s that meet every --goodput objective (ttft, tpot, e2el in ms)
     prefix hit rate = sum(cached_tokens) / sum(prompt_tokens) over requests whose server reports it
+    draft acceptance = sum(accepted drafts) / sum(draft tokens) over requests whose server reports
+        them (pagedllm's per-response `timings`, llama.cpp's names: draft_n, draft_n_accepted);
+        per request too, because in a closed loop the request that accepts least sets the end
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class RequestRecord:
     start_s: float = 0.0
     """When it was sent, in seconds after the run began."""
     itl_s: list[float] = field(default_factory=list)
+    draft_tokens: int | None = None
+    """Speculative decoding: the draft tokens the server checked for it (None: not reported)."""
+    accepted_draft_tokens: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -63,6 +69,12 @@ class ServeResult:
         reported = [r for r in self.ok if r.cached_tokens is not None]
         prompt = sum(r.prompt_tokens for r in reported)
         return sum(r.cached_tokens or 0 for r in reported) / prompt if reported and prompt else None
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        reported = [r for r in self.ok if r.draft_tokens is not None]
+        drafts = sum(r.draft_tokens or 0 for r in reported)
+        return sum(r.accepted_draft_tokens or 0 for r in reported) / drafts if drafts else None
 
     def quantiles(self, name: str) -> dict[str, float] | None:
         """p50/p95/p99/mean of a record attribute in seconds (our JSON's `ttft_s`, `tpot_s`, `e2e_s`)."""

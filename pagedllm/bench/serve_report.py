@@ -48,6 +48,7 @@ def build_report(
             max_concurrency=args.max_concurrency,
             request_rate=args.request_rate,
             prefix_hit_rate=hit_rate,
+            draft_acceptance_rate=result.draft_acceptance_rate,
         )
     ]
     if failed := [r for r in result.records if r.error]:
@@ -77,6 +78,7 @@ def build_report(
         "num_failed": len(failed),
         "elapsed_s": result.elapsed_s,
         "prefix_hit_rate": hit_rate,
+        "draft_acceptance_rate": result.draft_acceptance_rate,
         "ttft_s": result.quantiles("ttft_s"),
         "tpot_s": result.quantiles("tpot_s"),
         "e2e_s": result.quantiles("e2e_s"),
@@ -146,6 +148,7 @@ def summary_table(
     max_concurrency: int | None,
     request_rate: float,
     prefix_hit_rate: float | None,
+    draft_acceptance_rate: float | None = None,
 ) -> str:
     """The summary as `vllm bench serve` lays it out: one figure a line, a block per latency."""
 
@@ -177,6 +180,8 @@ def summary_table(
         row("Total (input + output) tokens/s:", summary["total_token_throughput"]),
         row("Prefix cache hit rate:", None if prefix_hit_rate is None else f"{prefix_hit_rate:.1%}"),
     ]
+    if draft_acceptance_rate is not None:
+        lines.append(row("Draft acceptance rate:", f"{draft_acceptance_rate:.1%}"))
     for metric in metrics:
         short, header = _HEADERS[metric]
         lines.append(f" {header} ".center(50, "-"))
