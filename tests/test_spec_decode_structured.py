@@ -222,6 +222,7 @@ def test_a_dead_end_after_draft_tokens_keeps_the_tokens_before_it_and_fails_as_p
     bitmask = scheduler.grammar_bitmask(output)
     assert bitmask is not None and bitmask.dead_ends == {"r": 2} and not bitmask.failed
     assert bool((bitmask.bitmask[2] == -1).all())
-    (failed,) = scheduler.update_from_output(output, ModelRunnerOutput({"r": [7, 8, 50]}))
+    runner_output = ModelRunnerOutput({"r": [7, 8, 50]}, grammar_dead_ends=bitmask.dead_ends)
+    (failed,) = scheduler.update_from_output(output, runner_output)
     assert failed.new_token_ids == [7, 8] and failed.error == DEAD_END
     assert failed.finish_reason == "error" and "r" not in scheduler.requests

@@ -92,6 +92,9 @@ class ModelRunnerOutput:
     """For requests that asked: one entry per prompt token this step scored."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose own part of the step (sampling, prompt scoring) raised: id -> what was raised."""
+    grammar_dead_ends: dict[str, int] = field(default_factory=dict)
+    """The step's GrammarBitmask.dead_ends: a constrained request whose grammar allowed no token
+    after its first n draft tokens (structured output with drafts) -> n."""
 
 
 @dataclass

@@ -74,8 +74,6 @@ class Scheduler:
         self.step_cost = StepCostModel()
         """Fitted from the engine's step timings: whether a draft row pays (speculation)."""
         self.spec_decode_stats = SpecDecodeStats() if config.speculation is not None else None
-        self._grammar_dead_ends: dict[str, int] = {}
-        """This step's GrammarBitmask.dead_ends (structured output with drafts)."""
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -122,7 +120,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
-        self._grammar_dead_ends = {}
         preempted: list[Request] = []
         token_budget = self._schedule_running(self.config.token_budget, output, preempted)
         if not preempted:
@@ -144,9 +141,7 @@ class Scheduler:
                 and request.num_computed_tokens + num_new - len(draft) == request.num_tokens
             ):
                 constrained.append((req_id, request.grammar, draft))
-        bitmask = fill_bitmask(constrained)
-        self._grammar_dead_ends = bitmask.dead_ends if bitmask is not None else {}
-        return bitmask
+        return fill_bitmask(constrained)
 
     def _schedule_running(self, token_budget: int, output: SchedulerOutput, preempted: list[Request]) -> int:
         index = 0
@@ -365,7 +360,7 @@ class Scheduler:
                 request.append_output_token_id(token_id)
                 self.num_generation_tokens += 1
                 if request.grammar is not None and not request.grammar.accept(token_id):
-                    dead_end = self._grammar_dead_ends.get(req_id) == len(output.new_token_ids)
+                    dead_end = runner_output.grammar_dead_ends.get(req_id) == len(output.new_token_ids)
                     grammar_error = DEAD_END if dead_end else f"token {token_id} does not follow the grammar"
                     break
                 output.new_token_ids.append(token_id)

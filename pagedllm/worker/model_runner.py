@@ -114,6 +114,7 @@ class ModelRunner:
             first_logits = _first_logits_rows(model_input.drafts)
             if grammar_bitmask is not None:  # a row per position a constrained request samples at
                 output.failed.update(grammar_bitmask.failed)
+                output.grammar_dead_ends = grammar_bitmask.dead_ends
                 position = {
                     batch.req_ids[row]: first_logits[i] for i, row in enumerate(model_input.sampled_rows)
                 }
