@@ -111,7 +111,7 @@ class Sampler:
     def _draw(self, p: torch.Tensor, generator: torch.Generator | None = None) -> int:
         """One token from the (unnormalized) probabilities p, by the exponential race: as
         _sample draws a row, from `generator` (a seeded request's) or the sampler's own."""
-        noise = torch.empty_like(p).exponential_(generator=generator or self.generator)
+        noise = torch.empty_like(p).exponential_(generator=self.generator if generator is None else generator)
         return int((p / noise).argmax())
 
     def _probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
