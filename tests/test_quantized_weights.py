@@ -213,6 +213,39 @@ def test_a_row_parallel_share_that_cuts_blocks_is_held_as_float():
     )
 
 
+@pytest.mark.skipif(not cpu_ops.serves_quant_linear(4, 64, 256), reason="no integer kernel on this build")
+def test_fused_parts_of_different_bits_are_packed_each_at_their_own():
+    """q and k at 4 bits beside v at 8 (a Q4_K_M file's Q4_K and Q6_K): each run of equal bits
+    packed on its own, not all widened to 8 bits with mins; the output is each run's kernel
+    output side by side (bit for bit: a row's result is its own), bias included."""
+    gen = torch.Generator().manual_seed(7)
+    layer = MergedColumnParallelLinear(256, [128, 64, 64], True, None)
+    shapes = [(128, 4), (64, 4), (64, 8)]  # q, k, v: rows and bits
+    parts = [quantize(torch.randn(rows, 256, generator=gen), bits) for rows, bits in shapes]
+    for shard_id, part in enumerate(parts):
+        layer.weight_loader(layer.weight, part, shard_id)
+    bias = torch.randn(256, generator=gen)
+    layer.bias.data.copy_(bias)
+    layer.choose_impl(torch.device("cpu"), torch.float32)
+    assert layer.weight_format == "int4+int8"
+    low, high = join_rows(parts[:2]), parts[2]
+    packed_low = cpu_ops.pack_quant_linear(low.q, low.scales, low.mins, 4)
+    packed_high = cpu_ops.pack_quant_linear(high.q, high.scales, high.mins, 8)
+    assert layer.weight.numel() == packed_low.numel() + packed_high.numel()
+    widened = join_rows(parts)  # all at 8 bits, with mins
+    widened_bytes = cpu_ops.pack_quant_linear(widened.q, widened.scales, widened.mins, 8).numel()
+    assert layer.weight.numel() < widened_bytes
+    x = torch.randn(3, 256, generator=gen)
+    expected = torch.cat(
+        [
+            cpu_ops.quant_linear(x, packed_low, 4, 192, 256, bias[:192]),
+            cpu_ops.quant_linear(x, packed_high, 8, 64, 256, bias[192:]),
+        ],
+        dim=1,
+    )
+    assert torch.equal(layer(x), expected)
+
+
 # llama.cpp's quantizer may leave a part of a fused projection float (attn_v, ffn_up here)
 MIXED_TYPES = {
     "token_embd": KIND.Q8_0,

@@ -108,6 +108,43 @@ def quant_linear_impl(bits: int, n: int, k: int) -> LinearImpl:
     return impl
 
 
+def pack_for_quant_linear(weight: BlockQuantized) -> torch.Tensor:
+    """The weight packed for the integer kernel: from the file's own bytes where they are still
+    encoded in a format the GGUF packer reads, else from codes, scales and mins."""
+    encoded = weight.still_encoded
+    if encoded is not None and encoded.encoding in cpu_ops.GGUF_PACKED_FORMATS:
+        return cpu_ops.pack_gguf_linear(encoded.raw, encoded.encoding, weight.shape[1])
+    return cpu_ops.pack_quant_linear(weight.q, weight.scales, weight.mins, weight.bits)
+
+
+def runs_of_equal_bits(parts: list[BlockQuantized]) -> list[BlockQuantized]:
+    """A fused weight's parts joined where they hold the same bits: joining parts of different
+    bits would widen them all to 8 (a Q4_K_M file's Q4_K q and k beside its Q6_K v: 9 bits a
+    weight for all three), so each run is packed on its own."""
+    runs: list[list[BlockQuantized]] = []
+    for part in parts:
+        if runs and runs[-1][0].bits == part.bits:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [join_rows(run) for run in runs]
+
+
+def runs_quant_linear_impl(runs: list[tuple[int, int, int]], k: int) -> LinearImpl:
+    """The integer kernel over runs of output rows packed one after the other, (bits, rows,
+    packed bytes) each: their outputs side by side."""
+
+    def impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outputs, at, row = [], 0, 0
+        for bits, n, size in runs:
+            part_bias = None if bias is None else bias.narrow(0, row, n)
+            outputs.append(cpu_ops.quant_linear(x, packed.narrow(0, at, size), bits, n, k, part_bias))
+            at, row = at + size, row + n
+        return torch.cat(outputs, dim=1)
+
+    return impl
+
+
 class Linear(nn.Linear):
     """A projection whole on every rank: y = x Wᵀ (+ b)."""
 
@@ -120,6 +157,9 @@ class Linear(nn.Linear):
         """Parts of the weight that loaded as float (a fused one may mix: _place)."""
         self.weight_format = ""
         """How the weight is held once chosen: its quantized format, or empty for float."""
+        self.weight_bytes_by_format: dict[str, int] = {}
+        """A quantized weight's packed bytes by format (several where runs of parts are packed
+        apart: runs_of_equal_bits)."""
 
     @property
     def quantized(self) -> BlockQuantized | None:
@@ -140,23 +180,28 @@ class Linear(nn.Linear):
         another module (a tied lm_head) is replaced here by its packed copy, so the other module
         keeps its plain tensor. A quantized weight no kernel here takes is dequantized into the
         float weight."""
-        quantized, parts = self.quantized, self.quantized_parts.values()
+        parts = [self.quantized_parts[i] for i in sorted(self.quantized_parts)]
         self.quantized_parts = {}
-        if quantized is not None:
-            n, k = quantized.shape
-            if device.type == "cpu" and cpu_ops.serves_quant_linear(quantized.bits, n, k):
-                encoded = quantized.still_encoded
-                if encoded is not None and encoded.encoding in cpu_ops.GGUF_PACKED_FORMATS:
-                    packed = cpu_ops.pack_gguf_linear(encoded.raw, encoded.encoding, k)
+        if parts:
+            runs = runs_of_equal_bits(parts)
+            n, k = sum(run.shape[0] for run in runs), parts[0].shape[1]
+            if device.type == "cpu" and all(cpu_ops.serves_quant_linear(run.bits, n, k) for run in runs):
+                packed = [pack_for_quant_linear(run) for run in runs]
+                whole = packed[0] if len(packed) == 1 else torch.cat(packed)
+                self.weight = nn.Parameter(whole, requires_grad=False)
+                if len(runs) == 1:
+                    self.impl = quant_linear_impl(runs[0].bits, n, k)
                 else:
-                    packed = cpu_ops.pack_quant_linear(
-                        quantized.q, quantized.scales, quantized.mins, quantized.bits
-                    )
-                self.weight = nn.Parameter(packed, requires_grad=False)
-                self.impl = quant_linear_impl(quantized.bits, n, k)
-                self.weight_format = quantized.format
+                    sizes = [(run.bits, run.shape[0], p.numel()) for run, p in zip(runs, packed, strict=True)]
+                    self.impl = runs_quant_linear_impl(sizes, k)
+                self.weight_format = "+".join(run.format for run in runs)
+                for run, run_packed in zip(runs, packed, strict=True):
+                    held = self.weight_bytes_by_format
+                    held[run.format] = held.get(run.format, 0) + run_packed.numel()
             else:
-                self.weight = nn.Parameter(quantized.dequantize(dtype).to(device), requires_grad=False)
+                dequantized = [run.dequantize(dtype) for run in runs]
+                whole = dequantized[0] if len(runs) == 1 else torch.cat(dequantized)
+                self.weight = nn.Parameter(whole.to(device), requires_grad=False)
             for part in parts:
                 part.release_file_pages()
             if self.weight_format:

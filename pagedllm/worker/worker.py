@@ -85,11 +85,19 @@ class Worker:
         model's dtype (whatever layout a kernel packed it in); a tied head's packed copy included."""
         assert self.model is not None
         by_format: dict[str, int] = {}
+
+        def add(name: str, size: int) -> None:
+            by_format[name] = by_format.get(name, 0) + size
+
+        dtype = str(self.dtype).removeprefix("torch.")
         for module in self.model.modules():
-            fmt = getattr(module, "weight_format", "")
+            packed = getattr(module, "weight_bytes_by_format", {})  # a quantized projection's, by run
+            for name, size in packed.items():
+                add(name, size)
+            fmt = dtype if packed else getattr(module, "weight_format", "") or dtype  # a bias: dtype
             for param in module.parameters(recurse=False):
-                name = fmt or str(self.dtype).removeprefix("torch.")
-                by_format[name] = by_format.get(name, 0) + param.numel() * param.element_size()
+                if not (packed and param is module.weight):
+                    add(fmt, param.numel() * param.element_size())
         return by_format
 
     def load_model(self, max_position: int) -> None:
