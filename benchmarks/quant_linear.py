@@ -10,7 +10,8 @@ them from memory, as a decode step does): bfloat16 through few_rows_linear, 4-bi
 stores free mins instead (Q4_1-like, 5 and 9 bits). For each row count, milliseconds per pass over
 all 64 products (the fastest of passes taken in turn: on a host shared with other work the median
 moves with its load, the fastest much less), each quantized kernel's speed-up over bfloat16, and
-at one row the packed bytes' effective GB/s.
+at one row the packed bytes' effective GB/s beside what the host streams at all (torch.sum over
+1 GiB of float32, fastest of 5, on as many threads).
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ def main() -> None:
         print(f"| {rows} | {ms['bf16']:.2f} | {cells} |")
     if gbs:
         print("effective GB/s at 1 row: " + ", ".join(f"{name}: {v:.1f}" for name, v in gbs.items()))
+        print(f"the host streams {streaming_gbs():.1f} GB/s (torch.sum over 1 GiB of float32)")
+
+
+def streaming_gbs() -> float:
+    """What a plain read of memory reaches here: the ceiling a decode step's weights stream at."""
+    floats = torch.ones(1 << 28)
+    fastest = min(pass_seconds([floats.sum]) for _ in range(5))
+    return floats.numel() * floats.element_size() / fastest / 1e9
 
 
 if __name__ == "__main__":
