@@ -183,6 +183,19 @@ def test_scales_are_stored_in_float16():
     assert ((run(x, q, scales, None, 4).double() - exact).abs() <= 4 * EPS32 * magnitude).all()
 
 
+def test_how_far_ahead_the_weights_are_prefetched_never_changes_the_result():
+    """stream_ahead (layers/linear_dispatch.py times it per host) moves the time alone."""
+    gen = torch.Generator().manual_seed(8)
+    q, scales, mins = make_weight(4, 200, 2048, "free", gen)
+    packed = cpu_ops.pack_quant_linear(q, scales, mins, 4)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 2048, generator=gen)
+        results = [cpu_ops.quant_linear(x, packed, 4, 200, 2048, None, ahead) for ahead in (0, 256, 4096)]
+        assert all(torch.equal(results[0], other) for other in results[1:])
+    with pytest.raises(RuntimeError, match="stream_ahead must be"):
+        cpu_ops.quant_linear(x, packed, 4, 200, 2048, None, -1)
+
+
 def test_an_all_zero_row_gives_zeros_and_the_bias():
     q, scales, mins = make_weight(8, 32, 64, "free", torch.Generator().manual_seed(4))
     bias = torch.arange(32, dtype=torch.float32)

@@ -323,11 +323,22 @@ def pack_gguf_linear(raw: torch.Tensor, gguf_format: str, k: int) -> torch.Tenso
     return torch.ops.pagedllm.pack_gguf_linear(raw, gguf_format, k)
 
 
+QUANT_STREAM_AHEAD = 4096
+"""quant_linear's default prefetch distance (bytes) for the weights it streams from memory."""
+
+
 def quant_linear(
-    x: torch.Tensor, packed: torch.Tensor, bits: int, n: int, k: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None,
+    stream_ahead: int = QUANT_STREAM_AHEAD,
 ) -> torch.Tensor:
     """x @ W.T (+ bias), [M, K] float32 or bfloat16 -> [M, N] in x's dtype, from pack_quant_linear's
     weight: x's rows quantized to int8 per 32-block (as llama.cpp's Q8_0), the byte products summed
     in int32, each block's sum scaled in float32; each row's result is its own, whatever rows
-    share the call (csrc/quant_linear_cpu.cpp)."""
-    return torch.ops.pagedllm.quant_linear(x, packed, bits, n, k, bias)
+    share the call (csrc/quant_linear_cpu.cpp). `stream_ahead`: how far ahead the weights are
+    prefetched as they stream (0: left to the hardware); it changes the time, never the result."""
+    return torch.ops.pagedllm.quant_linear(x, packed, bits, n, k, bias, stream_ahead)

@@ -99,11 +99,11 @@ def columns_of(loaded: Loaded, start: int, length: int) -> Loaded:
     )
 
 
-def quant_linear_impl(bits: int, n: int, k: int) -> LinearImpl:
+def quant_linear_impl(bits: int, n: int, k: int, stream_ahead: int) -> LinearImpl:
     """The integer kernel over a weight packed by cpu_ops.pack_quant_linear."""
 
     def impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_ops.quant_linear(x, packed, bits, n, k, bias)
+        return cpu_ops.quant_linear(x, packed, bits, n, k, bias, stream_ahead)
 
     return impl
 
@@ -130,7 +130,7 @@ def runs_of_equal_bits(parts: list[BlockQuantized]) -> list[BlockQuantized]:
     return [join_rows(run) for run in runs]
 
 
-def runs_quant_linear_impl(runs: list[tuple[int, int, int]], k: int) -> LinearImpl:
+def runs_quant_linear_impl(runs: list[tuple[int, int, int]], k: int, stream_ahead: int) -> LinearImpl:
     """The integer kernel over runs of output rows packed one after the other, (bits, rows,
     packed bytes) each: their outputs side by side."""
 
@@ -138,7 +138,8 @@ def runs_quant_linear_impl(runs: list[tuple[int, int, int]], k: int) -> LinearIm
         outputs, at, row = [], 0, 0
         for bits, n, size in runs:
             part_bias = None if bias is None else bias.narrow(0, row, n)
-            outputs.append(cpu_ops.quant_linear(x, packed.narrow(0, at, size), bits, n, k, part_bias))
+            part = packed.narrow(0, at, size)
+            outputs.append(cpu_ops.quant_linear(x, part, bits, n, k, part_bias, stream_ahead))
             at, row = at + size, row + n
         return torch.cat(outputs, dim=1)
 
@@ -189,11 +190,12 @@ class Linear(nn.Linear):
                 packed = [pack_for_quant_linear(run) for run in runs]
                 whole = packed[0] if len(packed) == 1 else torch.cat(packed)
                 self.weight = nn.Parameter(whole, requires_grad=False)
+                ahead = (dispatch or LinearDispatch()).quant_stream_ahead()
                 if len(runs) == 1:
-                    self.impl = quant_linear_impl(runs[0].bits, n, k)
+                    self.impl = quant_linear_impl(runs[0].bits, n, k, ahead)
                 else:
                     sizes = [(run.bits, run.shape[0], p.numel()) for run, p in zip(runs, packed, strict=True)]
-                    self.impl = runs_quant_linear_impl(sizes, k)
+                    self.impl = runs_quant_linear_impl(sizes, k, ahead)
                 self.weight_format = "+".join(run.format for run in runs)
                 for run, run_packed in zip(runs, packed, strict=True):
                     held = self.weight_bytes_by_format

@@ -30,7 +30,8 @@
 // error of 2^-11 at most (2^-25 absolute below float16's normal range, 6.1e-5), far below 4 bits'.
 //
 // pack_quant_linear(q [N, K] int8, scales [N, K / 32] float32, mins same or None, bits) -> uint8 blob
-// quant_linear(x [M, K] float32 or bfloat16, packed, bits, n, k, bias [N] or None) -> [M, N], x's dtype
+// quant_linear(x [M, K] float32 or bfloat16, packed, bits, n, k, bias [N] or None, stream_ahead) -> [M, N],
+// x's dtype (stream_ahead: how far ahead the weights are prefetched, 0: by the hardware alone)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,9 +61,6 @@ using QuantFloat = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, FloatVec16, 
 constexpr bool kHasQuant = pagedllm_cpu::kHasAvx2;
 using namespace pagedllm_quant;
 
-// How far ahead a tile streaming the weights from memory prefetches them (a 1-row product on one
-// Zen 5 core: ~31 GB/s with it, ~25-27 without; 2-8 KiB alike).
-constexpr int64_t kStreamAhead = 4096;
 
 bool available() { return kHasQuant; }
 
@@ -209,7 +207,7 @@ struct TileArgs {
   int64_t first_panel, block_stride, blocks;
   float* sums;
   bool resumes, finishes;
-  int64_t stream_ahead, next_run;  // prefetch distances: into L1 streaming (next_run 0), else into L2
+  int64_t stream_ahead, next_run;  // prefetch distances: into L1 streaming (next_run 0; none if 0), else into L2
   const float* bias;
   void* out;
   bool out_bf16;
@@ -273,8 +271,8 @@ void tile(const TileArgs& a) {
       Quads loaded[V];
       for (int64_t v = 0; v < V; ++v) {
         const uint8_t* at = w[v] + b * a.block_stride + g * kStepBytes;
-        if (a.next_run == 0) __builtin_prefetch(at + a.stream_ahead, 0, 3);
-        else __builtin_prefetch(at + a.next_run, 0, 2);
+        if (a.next_run != 0) __builtin_prefetch(at + a.next_run, 0, 2);
+        else if (a.stream_ahead != 0) __builtin_prefetch(at + a.stream_ahead, 0, 3);
         loaded[v] = Quads::load(at);
       }
       if constexpr (Bits == 8) {
@@ -350,10 +348,13 @@ void tile_rows(int64_t m, const TileArgs& a) {
 // they take a run of blocks (~32 KiB) at a time: the first tile streams it from memory, the
 // others read it from cache and prefetch the next run meanwhile (a decode step of 4-32 rows:
 // 8-bit ~1.2-1.3x faster on Zen 5; with more tiles, runs were slower). With fewer groups than
-// about 4 per thread, blocks of rows too.
+// about 4 per thread, blocks of rows too. A tile streaming from memory prefetches stream_ahead
+// bytes ahead, or leaves it to the hardware (0): which is faster differs between hosts of one
+// kind (a 1-row product on Zen 5: ~31 GB/s with 4 KiB on one core, ~25-27 without; on another,
+// the other way round), so the caller times it (layers/linear_dispatch.py).
 template <typename T>
 void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias,
-                at::Tensor& out) {
+                int64_t stream_ahead, at::Tensor& out) {
   const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.dx.size(1);
   const int64_t block_stride = group_stride / blocks;
   const bool few = rows <= T::kFewRows;
@@ -384,7 +385,7 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
                                 first_group + g * group_stride + b * block_stride, panel, block_stride,
                                 std::min(run_blocks, blocks - b),
                                 sums.data() + (r - row_begin) * kGroupCols + panel * kPanelCols, b > 0,
-                                b + run_blocks >= blocks, kStreamAhead,
+                                b + run_blocks >= blocks, stream_ahead,
                                 r > row_begin && b + run_blocks < blocks ? next_run : 0,
                                 bias == nullptr ? nullptr : bias + col,
                                 static_cast<char*>(out.data_ptr()) + (r * n + col) * out.element_size(),
@@ -401,18 +402,19 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
 // (Quads, FVec: template parameters, so that builds without AVX2, where they are only declared,
 // never instantiate this)
 template <int Bits, bool HasMins, typename Quads = QuadVec, typename FVec = QuantFloat>
-void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, const float* bias, at::Tensor& out) {
+void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, const float* bias, int64_t stream_ahead,
+         at::Tensor& out) {
   if constexpr (kHasQuant) {
     const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
     using T = Tiles<Quads, FVec, Bits, HasMins>;
     const int64_t tile_height = x.size(0) <= T::kFewRows ? T::kFewTileRows : T::kTileRows;
     const QuantRows xq = quantize_rows<FVec>(x, offset, tile_height);
-    run_groups<T>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, out);
+    run_groups<T>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, stream_ahead, out);
   }
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, int64_t stream_ahead) {
   TORCH_CHECK(kHasQuant, "quant_linear: this CPU build has no quantized kernel (it needs AVX2)");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(1) == k,
@@ -437,8 +439,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (bits == 4) h.has_mins ? run<4, true>(xr, h, packed, b, out) : run<4, false>(xr, h, packed, b, out);
-  else h.has_mins ? run<8, true>(xr, h, packed, b, out) : run<8, false>(xr, h, packed, b, out);
+  TORCH_CHECK(stream_ahead >= 0 && stream_ahead <= (1 << 20), "quant_linear: stream_ahead must be 0..1 MiB, not ",
+              stream_ahead);
+  const int64_t s = stream_ahead;
+  if (bits == 4) h.has_mins ? run<4, true>(xr, h, packed, b, s, out) : run<4, false>(xr, h, packed, b, s, out);
+  else h.has_mins ? run<8, true>(xr, h, packed, b, s, out) : run<8, false>(xr, h, packed, b, s, out);
   return out;
 }
 
@@ -448,6 +453,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_linear_available() -> bool", &available);
   m.def("pack_quant_linear(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
   m.impl("pack_quant_linear", c10::DispatchKey::CPU, &pack_quant_linear);
-  m.def("quant_linear(Tensor x, Tensor packed, int bits, int n, int k, Tensor? bias) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int bits, int n, int k, Tensor? bias, int stream_ahead=4096) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
 }
