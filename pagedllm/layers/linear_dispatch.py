@@ -70,7 +70,7 @@ SECONDS_PER_SHAPE = 0.3
 """Rounds stop past this once MIN_ROUNDS ran: a model's 4-5 shapes in well under 2 s."""
 FALLBACK = "torch"
 """The path that takes any weight (unpacked): used alone where no other takes it."""
-QUANT_STREAMS = {"prefetch": cpu_ops.QUANT_STREAM_AHEAD, "hardware prefetch": 0}
+QUANT_STREAMS = {"software prefetch": cpu_ops.QUANT_STREAM_AHEAD, "hardware prefetch": 0}
 """quant_linear's ways to stream a weight: its stream_ahead (0: the hardware's prefetch alone)."""
 QUANT_STREAM_SHAPE = (16384, 2048)
 """Timed for quant_stream_ahead: a 1B model's fused gate/up, 18 MiB at 4 bits."""

@@ -61,7 +61,6 @@ using QuantFloat = std::conditional_t<pagedllm_cpu::kHasAvx512Vnni, FloatVec16, 
 constexpr bool kHasQuant = pagedllm_cpu::kHasAvx2;
 using namespace pagedllm_quant;
 
-
 bool available() { return kHasQuant; }
 
 // z where every min is exactly -z * its scale (|z| <= 255); none where they are not.
