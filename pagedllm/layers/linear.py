@@ -134,16 +134,25 @@ def runs_quant_linear_impl(runs: list[tuple[int, int, int]], k: int, stream_ahea
     """The integer kernel over runs of output rows packed one after the other, (bits, rows,
     packed bytes) each: their outputs side by side."""
 
+    slices, at, row = [], 0, 0  # (bits, rows, first byte, bytes, first output row) per run, once
+    for bits, n, size in runs:
+        slices.append((bits, n, at, size, row))
+        at, row = at + size, row + n
+
     def impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        outputs, at, row = [], 0, 0
-        for bits, n, size in runs:
-            part_bias = None if bias is None else bias.narrow(0, row, n)
-            part = packed.narrow(0, at, size)
+        outputs = []
+        for bits, n, first, size, first_row in slices:
+            part_bias = None if bias is None else bias.narrow(0, first_row, n)
+            part = packed.narrow(0, first, size)
             outputs.append(cpu_ops.quant_linear(x, part, bits, n, k, part_bias, stream_ahead))
-            at, row = at + size, row + n
         return torch.cat(outputs, dim=1)
 
     return impl
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Parts stacked along dim 0; a lone part as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Linear(nn.Linear):
@@ -188,8 +197,7 @@ class Linear(nn.Linear):
             n, k = sum(run.shape[0] for run in runs), parts[0].shape[1]
             if device.type == "cpu" and all(cpu_ops.serves_quant_linear(run.bits, n, k) for run in runs):
                 packed = [pack_for_quant_linear(run) for run in runs]
-                whole = packed[0] if len(packed) == 1 else torch.cat(packed)
-                self.weight = nn.Parameter(whole, requires_grad=False)
+                self.weight = nn.Parameter(_joined(packed), requires_grad=False)
                 ahead = (dispatch or LinearDispatch()).quant_stream_ahead()
                 if len(runs) == 1:
                     self.impl = quant_linear_impl(runs[0].bits, n, k, ahead)
@@ -198,12 +206,11 @@ class Linear(nn.Linear):
                     self.impl = runs_quant_linear_impl(sizes, k, ahead)
                 self.weight_format = "+".join(run.format for run in runs)
                 for run, run_packed in zip(runs, packed, strict=True):
-                    held = self.weight_bytes_by_format
-                    held[run.format] = held.get(run.format, 0) + run_packed.numel()
+                    held = self.weight_bytes_by_format.get(run.format, 0)
+                    self.weight_bytes_by_format[run.format] = held + run_packed.numel()
             else:
-                dequantized = [run.dequantize(dtype) for run in runs]
-                whole = dequantized[0] if len(runs) == 1 else torch.cat(dequantized)
-                self.weight = nn.Parameter(whole.to(device), requires_grad=False)
+                dequantized = _joined([run.dequantize(dtype) for run in runs])
+                self.weight = nn.Parameter(dequantized.to(device), requires_grad=False)
             for part in parts:
                 part.release_file_pages()
             if self.weight_format:
