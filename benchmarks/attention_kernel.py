@@ -2,14 +2,17 @@
 
     .venv/bin/python benchmarks/attention_kernel.py                  # bfloat16 model and cache
     .venv/bin/python benchmarks/attention_kernel.py --dtype float32
+    .venv/bin/python benchmarks/attention_kernel.py --shape llama-3.2-1b
 
-SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), block size 32, and 30
-layers' caches of which each call takes the next, so K/V come from memory as in a real step
+SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), block size 32, or
+Llama-3.2-1B's (32 query heads, 8 KV heads, head_dim 64; block size 16, the server's default),
+and 30 layers' caches of which each call takes the next, so K/V come from memory as in a real step
 rather than from a cache level a single repeated call would keep them in. Cases: decode steps
-(32 and 8 requests, 300 or 1,000 keys each), fresh prompts (4 x 512 tokens) and prefill chunks
+(32 and 8 requests, 300 or 1,000 keys each; 1 and 8 requests at 576 keys, 1 at 2,048: a served
+512-token prompt's decode, and a longer one), fresh prompts (4 x 512 tokens) and prefill chunks
 after a cached context (2 x 256 tokens after 768). Each request's blocks are scattered over the
-cache. Prints microseconds per layer call and the kernel's speed-up; `--threads` sets torch's
-thread count (default: all cores).
+cache. Prints microseconds per layer call, the kernel's speed-up and, for decodes, the K/V bytes
+it reads per second; `--threads` sets torch's thread count (default: all cores).
 """
 
 from __future__ import annotations
@@ -26,20 +29,28 @@ from pagedllm.cpu_features import describe_host
 from pagedllm.kernels import cpu_ops
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 32, 30
+SHAPES = {  # name: (query heads, KV heads, head_dim, block size)
+    "smollm2-135m": (9, 3, 64, 32),
+    "llama-3.2-1b": (32, 8, 64, 16),
+}
+NUM_LAYERS = 30
 CASES = {  # name: (requests, tokens each computes, keys each attends)
     "decode 32 x 300 keys": (32, 1, 300),
     "decode 32 x 1000 keys": (32, 1, 1000),
     "decode 8 x 300 keys": (8, 1, 300),
+    "decode 1 x 576 keys": (1, 1, 576),
+    "decode 8 x 576 keys": (8, 1, 576),
+    "decode 1 x 2048 keys": (1, 1, 2048),
     "prompts 4 x 512": (4, 512, 512),
     "chunks 2 x 256 after 768": (2, 256, 1024),
 }
 
 
-def make_case(num_reqs: int, rows: int, seq_len: int, num_blocks: int, dtype: torch.dtype, gen):
-    blocks_each = -(-seq_len // BLOCK_SIZE)
+def make_case(num_reqs: int, rows: int, seq_len: int, shape: str, num_blocks: int, dtype: torch.dtype, gen):
+    num_heads, _, head_dim, block_size = SHAPES[shape]
+    blocks_each = -(-seq_len // block_size)
     tables = torch.randperm(num_blocks, generator=gen)[: num_reqs * blocks_each].view(num_reqs, blocks_each)
-    query = torch.randn(num_reqs * rows, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    query = torch.randn(num_reqs * rows, num_heads, head_dim, generator=gen).to(dtype)
     return query, tables, torch.arange(num_reqs + 1) * rows, torch.full((num_reqs,), seq_len)
 
 
@@ -51,7 +62,7 @@ def pytorch_path(k_cache, v_cache, query, tables, starts, seq_lens, scale):
     """What the engine runs without the kernel: gather + SDPA (decodes batched, prefills one by one)."""
     rows = int(starts[1] - starts[0])
     if rows == 1:
-        key_positions = torch.arange(tables.shape[1] * BLOCK_SIZE)
+        key_positions = torch.arange(tables.shape[1] * k_cache.shape[1])  # blocks x block size
         mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
         batch = DecodeBatch(torch.arange(len(seq_lens)), tables, seq_lens, mask)
         return decode_gathered(query, k_cache, v_cache, batch, scale)
@@ -80,8 +91,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    parser.add_argument("--num-blocks", type=int, default=1100, help="blocks per layer's cache")
+    parser.add_argument(
+        "--num-blocks", type=int, help="blocks per layer's cache (default: the cases' need + 10%%)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,25 +103,33 @@ def main() -> None:
         raise SystemExit("the CPU kernel could not be built here (no compiler?)")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
-    spec = KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, args.dtype)
-    caches = allocate_kv_caches(spec, args.num_blocks, torch.device("cpu"))
+    _, num_kv_heads, head_dim, block_size = SHAPES[args.shape]
+    needed = max(reqs * -(-keys // block_size) for reqs, _, keys in CASES.values())
+    num_blocks = args.num_blocks or needed * 11 // 10
+    spec = KVCacheSpec(NUM_LAYERS, num_kv_heads, head_dim, block_size, args.dtype)
+    caches = allocate_kv_caches(spec, num_blocks, torch.device("cpu"))
     for k_cache, v_cache in caches:
         k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
         v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
-    scale = HEAD_DIM**-0.5
-    print(f"host: {describe_host()}; dtype {args.dtype}; {torch.get_num_threads()} threads; git {git_sha()}")
-    print("| case | kernel us | gather + SDPA us | speed-up | max abs difference |")
-    print("|---|---|---|---|---|")
+    scale = head_dim**-0.5
+    print(
+        f"host: {describe_host()}; {args.shape} attention; dtype {args.dtype}; "
+        f"{torch.get_num_threads()} threads; git {git_sha()}"
+    )
+    print("| case | kernel us | gather + SDPA us | speed-up | kernel K/V GB/s | max abs difference |")
+    print("|---|---|---|---|---|---|")
     for name, (num_reqs, rows, seq_len) in CASES.items():
-        inputs = (*make_case(num_reqs, rows, seq_len, args.num_blocks, dtype, gen), scale)
+        inputs = (*make_case(num_reqs, rows, seq_len, args.shape, num_blocks, dtype, gen), scale)
         repeats = 3 * NUM_LAYERS if rows == 1 else NUM_LAYERS
         kernel_s = time_per_call(kernel_path, inputs, caches, repeats)
         baseline_s = time_per_call(pytorch_path, inputs, caches, repeats)
         got, expected = kernel_path(*caches[0], *inputs), pytorch_path(*caches[0], *inputs)
         difference = (got.float() - expected.float()).abs().max().item()
+        kv_bytes = num_reqs * seq_len * num_kv_heads * head_dim * 2 * caches[0][0].element_size()
+        rate = f"{kv_bytes / kernel_s / 1e9:.1f}" if rows == 1 else "-"
         print(
             f"| {name} | {kernel_s * 1e6:,.0f} | {baseline_s * 1e6:,.0f} | "
-            f"**{baseline_s / kernel_s:.2f}x** | {difference:.2g} |"
+            f"**{baseline_s / kernel_s:.2f}x** | {rate} | {difference:.2g} |"
         )
 
 
