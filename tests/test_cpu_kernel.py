@@ -217,6 +217,31 @@ def test_requests_sharing_prefix_blocks_read_them_together_with_the_same_outputs
         torch.testing.assert_close(together, decode_gathered(query, k, v, batch, 0.125), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
+def test_where_rows_are_prefetched_never_changes_the_output(cache_dtype, head_dim):
+    """prefetch_to_l2 (timed per host, attention/row_prefetch.py) moves the time alone: decodes,
+    fresh prompts and chunks after a context give the same bits either way."""
+    rows, contexts = [1, 7, 33, 16, 2], [60, 0, 5, 40, 9]
+    source_dtype = "float32" if cache_dtype == "bfloat16" else cache_dtype
+    query, k, v, tables, starts, seq_lens = _prefill_case(11, source_dtype, rows, contexts, head_dim)
+    if cache_dtype == "bfloat16":
+        query, k, v = query.bfloat16(), k.bfloat16(), v.bfloat16()
+    into_l1, into_l2 = (
+        cpu_ops.paged_attention(query, k, v, tables, starts, seq_lens, 0.25, to_l2) for to_l2 in (False, True)
+    )
+    assert torch.equal(into_l1, into_l2)
+
+
+def test_row_prefetch_takes_the_way_whose_fastest_round_is_faster():
+    from pagedllm.attention.row_prefetch import faster_is_l2, prefetch_to_l2
+
+    assert faster_is_l2({False: [3.0, 1.0, 2.0], True: [0.9, 5.0, 5.0]})
+    assert not faster_is_l2({False: [1.0, 9.0], True: [1.1, 1.2]})
+    assert isinstance(prefetch_to_l2(torch.float32, torch.float32, 64), bool)  # timed once, then cached
+    assert prefetch_to_l2.cache_info().currsize >= 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):

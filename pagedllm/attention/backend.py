@@ -7,7 +7,8 @@ asks which path it is on.
 
 - CpuKernelBackend: the C++ kernels (kernels/cpu_ops.py) on CPU. With a cache of the model's
   dtype, one pass rotates queries and keys and writes K/V into their slots; then one call of
-  the paged attention kernel takes every token of the step.
+  the paged attention kernel takes every token of the step, prefetching the cache rows into L1
+  or L2 as timed on this host (row_prefetch.py).
 - TorchBackend: PyTorch ops on any device: rotary, write_kv, then gather + SDPA
   (paged_attention.py).
 
@@ -23,6 +24,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, PagedKernelInput, StepLayout, build_torch_metadata
 from pagedllm.attention.paged_attention import paged_attention, write_kv
+from pagedllm.attention.row_prefetch import prefetch_to_l2
 from pagedllm.kernels import cpu_ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -84,10 +86,11 @@ class AttentionBackend(ABC):
 class CpuKernelBackend(AttentionBackend):
     name = "C++ kernel reading the paged KV cache in place (decodes and prefills)"
 
-    def __init__(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> None:
         super().__init__(dtype)
         # rotary and the K/V write fused in one pass where the cache holds the model's dtype
         self.fuses_rotary_write = cache_dtype == dtype
+        self.prefetch_to_l2 = prefetch_to_l2(dtype, cache_dtype, head_dim)
 
     def build_metadata(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
         # one call takes every token: no groups, spans or masks to build
@@ -113,7 +116,13 @@ class CpuKernelBackend(AttentionBackend):
             query, key, value = _rotate_split(layer, qkv, rope)
             write_kv(*kv_cache, key, value, metadata.slot_mapping)
         return cpu_ops.paged_attention(
-            query, *kv_cache, kernel.block_tables, kernel.query_start_loc, kernel.seq_lens, layer.scale
+            query,
+            *kv_cache,
+            kernel.block_tables,
+            kernel.query_start_loc,
+            kernel.seq_lens,
+            layer.scale,
+            self.prefetch_to_l2,
         )
 
 
@@ -155,5 +164,5 @@ def select_backend(
 ) -> AttentionBackend:
     """The C++ kernels where they serve this model and cache on this device, else PyTorch ops."""
     if cpu_ops.serves(device, dtype, cache_dtype, head_dim):
-        return CpuKernelBackend(dtype, cache_dtype)
+        return CpuKernelBackend(dtype, cache_dtype, head_dim)
     return TorchBackend(dtype)

@@ -21,9 +21,15 @@ constexpr int64_t kLanes = FloatVec8::kLanes;  // head_dim is a multiple of it
 constexpr int64_t kPrefetchRows = 48;  // how far ahead rows are fetched: a request's blocks lie
                                        // anywhere in the cache, so the hardware cannot guess them
 
-// Ask for a cache row (up to 256 bytes: 64 bfloat16 or float32 values) before it is needed.
-inline void prefetch_row(const uint8_t* row, int64_t row_bytes) {
-  for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset);
+// Ask for a cache row (up to 256 bytes: 64 bfloat16 or float32 values) before it is needed: into
+// L1 (prefetcht0) or, to_l2, into L2 (prefetcht1). Which reads a step's scattered rows faster
+// differs by host (a decode on Zen 5: ~1.5x faster into L2), so the caller times it
+// (attention/row_prefetch.py); the results are the same either way.
+inline void prefetch_row(const uint8_t* row, int64_t row_bytes, bool to_l2) {
+  for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+    if (to_l2) __builtin_prefetch(row + offset, 0, 2);
+    else __builtin_prefetch(row + offset, 0, 3);
+  }
 }
 
 // Softmax numerators in place, exp(x - max(x)); returns their sum, or NaN when a score is
@@ -77,12 +83,12 @@ inline FloatVec8 dot8(const float* q, const uint8_t* const* rows, int64_t head_d
 // are cut into calls: so it does not depend on the queries it was grouped with.
 template <typename Row, int64_t Group>
 void weighted_sum(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                  float* const* acc_rows) {
+                  float* const* acc_rows, bool to_l2) {
   for (int64_t d = 0; d < head_dim; d += kLanes) {
     FloatVec8 acc[Group];
     for (int64_t g = 0; g < Group; ++g) acc[g] = FloatVec8::load(acc_rows[g] + d);
     for (int64_t t = 0; t < len; ++t) {
-      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim));
+      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim), to_l2);
       const FloatVec8 x = Row::load8(rows[t], d);
       for (int64_t g = 0; g < Group; ++g) acc[g] = FloatVec8::fma(FloatVec8::broadcast(weights[g][t]), x, acc[g]);
     }
@@ -92,16 +98,16 @@ void weighted_sum(const float* const* weights, const uint8_t* const* rows, int64
 
 template <typename Row>
 void weighted_sum_up_to_8(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                          int64_t group, float* const* acc_rows) {
+                          int64_t group, float* const* acc_rows, bool to_l2) {
   switch (group) {
-    case 1: weighted_sum<Row, 1>(weights, rows, len, head_dim, acc_rows); break;
-    case 2: weighted_sum<Row, 2>(weights, rows, len, head_dim, acc_rows); break;
-    case 3: weighted_sum<Row, 3>(weights, rows, len, head_dim, acc_rows); break;
-    case 4: weighted_sum<Row, 4>(weights, rows, len, head_dim, acc_rows); break;
-    case 5: weighted_sum<Row, 5>(weights, rows, len, head_dim, acc_rows); break;
-    case 6: weighted_sum<Row, 6>(weights, rows, len, head_dim, acc_rows); break;
-    case 7: weighted_sum<Row, 7>(weights, rows, len, head_dim, acc_rows); break;
-    default: weighted_sum<Row, 8>(weights, rows, len, head_dim, acc_rows);
+    case 1: weighted_sum<Row, 1>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 2: weighted_sum<Row, 2>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 3: weighted_sum<Row, 3>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 4: weighted_sum<Row, 4>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 5: weighted_sum<Row, 5>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 6: weighted_sum<Row, 6>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 7: weighted_sum<Row, 7>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    default: weighted_sum<Row, 8>(weights, rows, len, head_dim, acc_rows, to_l2);
   }
 }
 
@@ -128,13 +134,13 @@ inline FloatVec8 dot8_wide(const float* q, const float* const* rows, int64_t hea
 // Rows are read through Row (widened as loaded), or as float32 rows already widened.
 template <typename Row, int64_t Group>
 void weighted_sum_wide(const float* const* weights, const uint8_t* const* rows, int64_t len, int64_t head_dim,
-                       float* const* acc_rows) {
+                       float* const* acc_rows, bool to_l2) {
   for (int64_t d = 0; d < head_dim; d += 64) {
     FloatVec16 acc[Group][4];
     for (int64_t g = 0; g < Group; ++g)
       for (int64_t c = 0; c < 4; ++c) acc[g][c] = FloatVec16::load(acc_rows[g] + d + 16 * c);
     for (int64_t t = 0; t < len; ++t) {
-      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim));
+      if (d == 0 && t + kPrefetchRows < len) prefetch_row(rows[t + kPrefetchRows], Row::bytes(head_dim), to_l2);
       FloatVec16 x[4];
       for (int64_t c = 0; c < 4; ++c) x[c] = Row::load16(rows[t], d + 16 * c);
       for (int64_t g = 0; g < Group; ++g) {
@@ -149,23 +155,23 @@ void weighted_sum_wide(const float* const* weights, const uint8_t* const* rows, 
 
 template <typename Row>
 void weighted_sum_wide_up_to_4(const float* const* weights, const uint8_t* const* rows, int64_t len,
-                               int64_t head_dim, int64_t group, float* const* acc_rows) {
+                               int64_t head_dim, int64_t group, float* const* acc_rows, bool to_l2) {
   switch (group) {
-    case 1: weighted_sum_wide<Row, 1>(weights, rows, len, head_dim, acc_rows); break;
-    case 2: weighted_sum_wide<Row, 2>(weights, rows, len, head_dim, acc_rows); break;
-    case 3: weighted_sum_wide<Row, 3>(weights, rows, len, head_dim, acc_rows); break;
-    default: weighted_sum_wide<Row, 4>(weights, rows, len, head_dim, acc_rows);
+    case 1: weighted_sum_wide<Row, 1>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 2: weighted_sum_wide<Row, 2>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    case 3: weighted_sum_wide<Row, 3>(weights, rows, len, head_dim, acc_rows, to_l2); break;
+    default: weighted_sum_wide<Row, 4>(weights, rows, len, head_dim, acc_rows, to_l2);
   }
 }
 
 // Widen n rows into `buffer` (n x head_dim float32) and point `out` at them.
 template <typename Row>
 void widen_rows(const uint8_t* const* rows, int64_t n, int64_t head_dim, std::vector<float>& buffer,
-                std::vector<const uint8_t*>& out) {
+                std::vector<const uint8_t*>& out, bool to_l2) {
   buffer.resize(n * head_dim);
   out.resize(n);
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], Row::bytes(head_dim));
+    if (i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], Row::bytes(head_dim), to_l2);
     float* dst = buffer.data() + i * head_dim;
     for (int64_t d = 0; d < head_dim; d += 16) Row::load16(rows[i], d).store(dst + d);
     out[i] = reinterpret_cast<const uint8_t*>(dst);
@@ -215,16 +221,16 @@ alignas(64) constexpr uint8_t kZeroRow[128] = {};  // 64 bfloat16 zeros
 
 template <typename Pairs, int64_t Group>
 void weighted_sum_bf16(const uint32_t* const* weight_pairs, const uint8_t* const* rows, int64_t len,
-                       int64_t head_dim, float* const* acc_rows) {
-  for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row(rows[t], 2 * head_dim);
+                       int64_t head_dim, float* const* acc_rows, bool to_l2) {
+  for (int64_t t = 0; t < std::min(len, kPrefetchRows); ++t) prefetch_row(rows[t], 2 * head_dim, to_l2);
   for (int64_t d = 0; d < head_dim; d += 64) {
     FloatVec16 acc[Group][4];
     for (int64_t g = 0; g < Group; ++g)
       for (int64_t c = 0; c < 4; ++c) acc[g][c] = FloatVec16::load(acc_rows[g] + d + 16 * c);
     for (int64_t t = 0; t < len; t += 2) {
       if (t + kPrefetchRows < len) {
-        prefetch_row(rows[t + kPrefetchRows] + 2 * d, 128);
-        prefetch_row(rows[t + kPrefetchRows + 1 < len ? t + kPrefetchRows + 1 : t + kPrefetchRows] + 2 * d, 128);
+        prefetch_row(rows[t + kPrefetchRows] + 2 * d, 128, to_l2);
+        prefetch_row(rows[t + kPrefetchRows + 1 < len ? t + kPrefetchRows + 1 : t + kPrefetchRows] + 2 * d, 128, to_l2);
       }
       const uint8_t* a = rows[t] + 2 * d;
       const uint8_t* b = t + 1 < len ? rows[t + 1] + 2 * d : kZeroRow;
@@ -244,12 +250,12 @@ void weighted_sum_bf16(const uint32_t* const* weight_pairs, const uint8_t* const
 
 template <typename Pairs>
 void weighted_sum_bf16_up_to_4(const uint32_t* const* weight_pairs, const uint8_t* const* rows, int64_t len,
-                               int64_t head_dim, int64_t group, float* const* acc_rows) {
+                               int64_t head_dim, int64_t group, float* const* acc_rows, bool to_l2) {
   switch (group) {
-    case 1: weighted_sum_bf16<Pairs, 1>(weight_pairs, rows, len, head_dim, acc_rows); break;
-    case 2: weighted_sum_bf16<Pairs, 2>(weight_pairs, rows, len, head_dim, acc_rows); break;
-    case 3: weighted_sum_bf16<Pairs, 3>(weight_pairs, rows, len, head_dim, acc_rows); break;
-    default: weighted_sum_bf16<Pairs, 4>(weight_pairs, rows, len, head_dim, acc_rows);
+    case 1: weighted_sum_bf16<Pairs, 1>(weight_pairs, rows, len, head_dim, acc_rows, to_l2); break;
+    case 2: weighted_sum_bf16<Pairs, 2>(weight_pairs, rows, len, head_dim, acc_rows, to_l2); break;
+    case 3: weighted_sum_bf16<Pairs, 3>(weight_pairs, rows, len, head_dim, acc_rows, to_l2); break;
+    default: weighted_sum_bf16<Pairs, 4>(weight_pairs, rows, len, head_dim, acc_rows, to_l2);
   }
 }
 

@@ -18,7 +18,8 @@
 // weights rounded to bfloat16 for the weighted sum), about twice as fast (BFloat16PairRow).
 // Written in cpu_types.h's vectors (AVX-512, AVX2 or plain loops, as the build targets with
 // -march=native); the cache's row formats are row_formats.h's, the loops over rows attention_rows.h's.
-// Rows are prefetched a few ahead: a request's blocks lie anywhere in the cache.
+// Rows are prefetched a few ahead: a request's blocks lie anywhere in the cache. Into L1, or into
+// L2 where prefetch_to_l2 says (the caller times which is faster on its host).
 //
 // Shapes: query [num_tokens, num_heads, head_dim] float32 / bfloat16 / float16 (widened as read,
 // the output rounded back once), each request's tokens contiguous;
@@ -76,6 +77,7 @@ struct Attend {
   void* out;
   int64_t num_heads, num_kv_heads, head_dim, block_size, row_bytes, max_blocks;
   float scale;
+  bool prefetch_to_l2;  // rows prefetched into L2 rather than L1 (attention_rows.h's prefetch_row)
 
   // A run of keys that the same queries read from the same rows: one group of requests sharing
   // blocks (or one request alone) over consecutive block indices.
@@ -289,13 +291,13 @@ struct Attend {
     const bool widened = kHasAvx512 && head_dim % 64 == 0;
     if (widened) {
       if constexpr (Row::kIsFloat32) w.k_wide = w.k_rows;
-      else widen_rows<Row>(w.k_rows.data(), padded, head_dim, w.k_widened, w.k_wide);
+      else widen_rows<Row>(w.k_rows.data(), padded, head_dim, w.k_widened, w.k_wide, prefetch_to_l2);
     }
     const uint8_t* const* rows = widened ? w.k_wide.data() : w.k_rows.data();
     for (int64_t t = 0; t < padded; t += kLanes) {
       if (!widened)
         for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + kLanes); ++i)
-          prefetch_row(rows[i], Row::bytes(head_dim));
+          prefetch_row(rows[i], Row::bytes(head_dim), prefetch_to_l2);
       const FloatVec8 scales = FloatVec8::load(w.row_scales.data() + t);
       for (int64_t q : ids) {
         if (begin + t >= w.lens[q]) continue;  // keys past this query's own
@@ -311,11 +313,11 @@ struct Attend {
     using Pairs = typename Row::Pairs;
     const int64_t padded = static_cast<int64_t>(w.k_rows.size());
     const FloatVec16 scales = FloatVec16::broadcast(scale);
-    for (int64_t i = 0; i < std::min(padded, kPrefetchRows); ++i) prefetch_row(w.k_rows[i], row_bytes);
+    for (int64_t i = 0; i < std::min(padded, kPrefetchRows); ++i) prefetch_row(w.k_rows[i], row_bytes, prefetch_to_l2);
     w.tile.resize(head_dim * 8);
     for (int64_t t = 0; t < padded; t += 16) {
       for (int64_t i = t + kPrefetchRows; i < std::min(padded, t + kPrefetchRows + 16); ++i)
-        prefetch_row(w.k_rows[i], row_bytes);
+        prefetch_row(w.k_rows[i], row_bytes, prefetch_to_l2);
       w.query_pairs.clear();
       w.active.clear();
       for (int64_t q : ids)
@@ -362,23 +364,24 @@ struct Attend {
         w.weight_pairs[j] = reinterpret_cast<const uint32_t*>(w.weights_bf16.data() + ids[j] * stride + begin);
       for (int64_t j = 0; j < num; j += 4)
         weighted_sum_bf16_up_to_4<typename Row::Pairs>(w.weight_pairs.data() + j, w.v_rows.data(), n, head_dim,
-                                                       std::min<int64_t>(4, num - j), w.acc_rows.data() + j);
+                                                       std::min<int64_t>(4, num - j), w.acc_rows.data() + j,
+                                                       prefetch_to_l2);
     } else if (kHasAvx512 && head_dim % 64 == 0) {
       const bool widen = num > 4 && !Row::kIsFloat32;  // several passes read them
-      if (widen) widen_rows<Row>(w.v_rows.data(), n, head_dim, w.v_widened, w.v_wide);
+      if (widen) widen_rows<Row>(w.v_rows.data(), n, head_dim, w.v_widened, w.v_wide, prefetch_to_l2);
       for (int64_t j = 0; j < num; j += 4) {
         const int64_t count = std::min<int64_t>(4, num - j);
         if (widen)
           weighted_sum_wide_up_to_4<FloatRow>(w.weights.data() + j, w.v_wide.data(), n, head_dim, count,
-                                              w.acc_rows.data() + j);
+                                              w.acc_rows.data() + j, prefetch_to_l2);
         else
           weighted_sum_wide_up_to_4<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, count,
-                                         w.acc_rows.data() + j);
+                                         w.acc_rows.data() + j, prefetch_to_l2);
       }
     } else {
       for (int64_t j = 0; j < num; j += kLanes)
         weighted_sum_up_to_8<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, std::min(kLanes, num - j),
-                                  w.acc_rows.data() + j);
+                                  w.acc_rows.data() + j, prefetch_to_l2);
     }
   }
 };
@@ -402,7 +405,7 @@ using PairRowWhereBuilt = std::conditional_t<kHasAvx512Bf16, BFloat16PairRow, Un
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, bool prefetch_to_l2) {
   const auto query_type = query.scalar_type();
   TORCH_CHECK((query_type == at::kFloat || query_type == at::kBFloat16 || query_type == at::kHalf) && query.dim() == 3,
               "query: [num_tokens, num_heads, head_dim] float32, bfloat16 or float16");
@@ -490,7 +493,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
                                    block_size,
                                    row_bytes,
                                    tables.size(1),
-                                   static_cast<float>(scale)};
+                                   static_cast<float>(scale),
+                                   prefetch_to_l2};
     attend<Row>(attend_tasks, parts, task_starts);
   };
   switch (cache_type) {
@@ -512,6 +516,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, bool prefetch_to_l2=False) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
