@@ -6,8 +6,8 @@ row every num_kv_heads rows, so the hardware cannot guess them: the kernel asks 
 fixed number of rows ahead. Asking into L1 (prefetcht0) or into L2 (prefetcht1) moves a decode's
 time a lot and not the same way everywhere (the quantized kernel's own prefetch went opposite
 ways on two hosts of one kind), so both are timed here on a decode-shaped call over a cache twice
-the size of the last-level cache, in turn for a few rounds, and the faster serves every call. The
-results are the same either way (a test).
+the size of the last-level cache (256 MiB at most), in turn for a few rounds, and the faster
+serves every call. The results are the same either way (a test).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ TIMED_KV_HEADS, TIMED_QUERIES_PER_KV_HEAD, TIMED_BLOCK_SIZE = 8, 4, 16
 TIMED_REQUESTS, TIMED_KEYS = 4, 1024
 """Each timed call: 4 requests of 1,024 keys."""
 ROUNDS = 5
+MAX_TIMED_CACHE_BYTES = 256 * 1024**2
 
 _QUANTIZED_CACHES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -45,7 +46,8 @@ def prefetch_to_l2(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) 
     row = head_dim + 2 if cache_dtype in _QUANTIZED_CACHES else head_dim  # 8-bit rows end in a scale
     block_bytes = TIMED_BLOCK_SIZE * TIMED_KV_HEADS * row * torch.empty(0, dtype=cache_dtype).element_size()
     blocks_per_call = TIMED_REQUESTS * TIMED_KEYS // TIMED_BLOCK_SIZE
-    calls = max(2, -(-2 * last_level_cache_bytes() // (2 * block_bytes * blocks_per_call)))  # K and V
+    cache_bytes = min(2 * last_level_cache_bytes(), MAX_TIMED_CACHE_BYTES)
+    calls = max(2, -(-cache_bytes // (2 * block_bytes * blocks_per_call)))  # K and V
     shape = (calls * blocks_per_call, TIMED_BLOCK_SIZE, TIMED_KV_HEADS, row)
     k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
     order = torch.randperm(shape[0], generator=torch.Generator().manual_seed(0))
