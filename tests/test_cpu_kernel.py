@@ -222,6 +222,7 @@ def test_requests_sharing_prefix_blocks_read_them_together_with_the_same_outputs
 def test_where_rows_are_prefetched_never_changes_the_output(cache_dtype, head_dim):
     """prefetch_to_l2 (timed per host, attention/row_prefetch.py) moves the time alone: decodes,
     fresh prompts and chunks after a context give the same bits either way."""
+    assert cpu_ops.is_built()
     rows, contexts = [1, 7, 33, 16, 2], [60, 0, 5, 40, 9]
     source_dtype = "float32" if cache_dtype == "bfloat16" else cache_dtype
     query, k, v, tables, starts, seq_lens = _prefill_case(11, source_dtype, rows, contexts, head_dim)

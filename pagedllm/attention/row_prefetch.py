@@ -43,6 +43,8 @@ def faster_is_l2(seconds: dict[bool, list[float]]) -> bool:
 def prefetch_to_l2(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether paged_attention should prefetch rows into L2 for a model of this dtype, cache
     dtype and head_dim on this host (about 0.1-0.3 s, the first time in a process)."""
+    if not cpu_ops.is_built():
+        return False
     row = head_dim + 2 if cache_dtype in _QUANTIZED_CACHES else head_dim  # 8-bit rows end in a scale
     block_bytes = TIMED_BLOCK_SIZE * TIMED_KV_HEADS * row * torch.empty(0, dtype=cache_dtype).element_size()
     blocks_per_call = TIMED_REQUESTS * TIMED_KEYS // TIMED_BLOCK_SIZE
