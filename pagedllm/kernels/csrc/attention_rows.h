@@ -23,8 +23,8 @@ constexpr int64_t kPrefetchRows = 48;  // how far ahead rows are fetched: a requ
 
 // Ask for a cache row (up to 256 bytes: 64 bfloat16 or float32 values) before it is needed: into
 // L1 (prefetcht0) or, to_l2, into L2 (prefetcht1). Which reads a step's scattered rows faster
-// differs by host (a decode on Zen 5: ~1.5x faster into L2), so the caller times it
-// (attention/row_prefetch.py); the results are the same either way.
+// differs by host, so the caller times it (attention/row_prefetch.py); the results are the same
+// either way.
 inline void prefetch_row(const uint8_t* row, int64_t row_bytes, bool to_l2) {
   for (int64_t offset = 0; offset < row_bytes; offset += 64) {
     if (to_l2) __builtin_prefetch(row + offset, 0, 2);
