@@ -42,7 +42,7 @@ def faster_is_l2(seconds: dict[bool, list[float]]) -> bool:
 @functools.cache
 def prefetch_to_l2(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether paged_attention should prefetch rows into L2 for a model of this dtype, cache
-    dtype and head_dim on this host (about 0.1-0.3 s, the first time in a process)."""
+    dtype and head_dim on this host; timed the first time a process asks, then remembered."""
     if not cpu_ops.is_built():
         return False
     row = head_dim + 2 if cache_dtype in _QUANTIZED_CACHES else head_dim  # 8-bit rows end in a scale
