@@ -20,6 +20,7 @@ count (default: all cores).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -58,10 +59,6 @@ def make_case(num_reqs: int, rows: int, seq_len: int, shape: str, num_blocks: in
 
 def kernel_path(k_cache, v_cache, query, tables, starts, seq_lens, scale, to_l2=False):
     return cpu_ops.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, scale, to_l2)
-
-
-def kernel_path_l2(k_cache, v_cache, query, tables, starts, seq_lens, scale):
-    return kernel_path(k_cache, v_cache, query, tables, starts, seq_lens, scale, to_l2=True)
 
 
 def pytorch_path(k_cache, v_cache, query, tables, starts, seq_lens, scale):
@@ -131,7 +128,7 @@ def main() -> None:
         inputs = (*make_case(num_reqs, rows, seq_len, args.shape, num_blocks, dtype, gen), scale)
         repeats = 3 * NUM_LAYERS if rows == 1 else NUM_LAYERS
         l1_s = time_per_call(kernel_path, inputs, caches, repeats)
-        l2_s = time_per_call(kernel_path_l2, inputs, caches, repeats)
+        l2_s = time_per_call(functools.partial(kernel_path, to_l2=True), inputs, caches, repeats)
         baseline_s = time_per_call(pytorch_path, inputs, caches, repeats)
         kernel_s = min(l1_s, l2_s)
         got, expected = kernel_path(*caches[0], *inputs), pytorch_path(*caches[0], *inputs)

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, SCALE_BYTES
 from pagedllm.cpu_features import last_level_cache_bytes
 from pagedllm.kernels import cpu_ops
 
@@ -29,8 +30,6 @@ TIMED_REQUESTS, TIMED_KEYS = 4, 1024
 """Each timed call: 4 requests of 1,024 keys."""
 ROUNDS = 5
 MAX_TIMED_CACHE_BYTES = 256 * 1024**2
-
-_QUANTIZED_CACHES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def faster_is_l2(seconds: dict[bool, list[float]]) -> bool:
@@ -45,7 +44,8 @@ def prefetch_to_l2(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) 
     dtype and head_dim on this host; timed the first time a process asks, then remembered."""
     if not cpu_ops.is_built():
         return False
-    row = head_dim + 2 if cache_dtype in _QUANTIZED_CACHES else head_dim  # 8-bit rows end in a scale
+    quantized = cache_dtype in KV_CACHE_DTYPES.values()
+    row = head_dim + SCALE_BYTES if quantized else head_dim  # 8-bit rows end in their scale
     block_bytes = TIMED_BLOCK_SIZE * TIMED_KV_HEADS * row * torch.empty(0, dtype=cache_dtype).element_size()
     blocks_per_call = TIMED_REQUESTS * TIMED_KEYS // TIMED_BLOCK_SIZE
     cache_bytes = min(2 * last_level_cache_bytes(), MAX_TIMED_CACHE_BYTES)
