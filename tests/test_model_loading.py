@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 
 import pytest
@@ -18,7 +19,7 @@ from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import MODEL_CLASSES, default_model_path
-from pagedllm.worker.kv_cache import KVCacheSpec, plan_kv_cache
+from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, plan_kv_cache
 
 from .helpers import TEST_ENGINE_ARGS, save_tiny_model, write_tiny_gguf
 
@@ -49,6 +50,28 @@ def test_default_model_config_and_kv_size_match_vllm_report():
     # vLLM's CPU build on this model and budget logs: 186,400 tokens, 22.75x for 8,192 tokens
     assert plan.num_tokens == 186_400
     assert f"{plan.max_concurrency:.2f}" == "22.75"
+
+
+def _rss_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_cpu_kv_cache_reads_zero_and_holds_memory_only_where_written():
+    """The cache comes as fresh pages, zeroed by the kernel as each is first touched: a start
+    allocates gigabytes at no cost, and memory is taken as blocks are written."""
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, cache_dtype="bfloat16")
+    before = _rss_bytes()
+    caches = allocate_kv_caches(spec, 2048, torch.device("cpu"))  # 256 MiB
+    assert _rss_bytes() - before < 32 * 2**20
+    k, v = caches[2]
+    assert not k.any() and not v.any()
+    k[5].fill_(1.0)
+    assert k[5].eq(1).all() and not v[5].any() and not caches[1][0][5].any() and not k[6].any()
+
+
+def test_a_kv_budget_beyond_the_hosts_memory_is_refused_at_start():
+    with pytest.raises(ValueError, match="lower --kv-cache-memory-bytes"):
+        LLM(**(TEST_ENGINE_ARGS | {"kv_cache_memory_bytes": 2**50}))
 
 
 def test_startup_report_says_what_vllm_users_grep_for():

@@ -9,6 +9,7 @@ with `KVCacheSpec`, so the figures it prints are exactly what the engine allocat
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -105,8 +106,19 @@ def allocate_kv_caches(
     dtype = KV_CACHE_DTYPES[spec.cache_dtype] if spec.is_quantized else getattr(torch, spec.cache_dtype)
     row = spec.head_dim + spec.scale_bytes_per_row  # elements: one byte each when quantized
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, row)
-    storage = torch.zeros(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and hasattr(mmap, "MAP_ANONYMOUS"):
+        storage = _fresh_pages(num_blocks * spec.bytes_per_block).view(dtype).view(shape)
+    else:
+        storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
+
+
+def _fresh_pages(num_bytes: int) -> torch.Tensor:
+    """Zeroed host memory that costs nothing until used: fresh anonymous pages, which the kernel
+    zeroes as each is first touched. Writing zeros over gigabytes instead held up every start
+    (and took the memory of blocks no request may ever reach)."""
+    pages = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 @dataclass(frozen=True)

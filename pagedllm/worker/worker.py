@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -39,6 +40,26 @@ from pagedllm.worker.kv_offload import KVOffloadMover, open_mover
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def _check_host_memory(budget_bytes: int) -> None:
+    """Refuse a CPU cache larger than the memory free now. Its pages are taken as blocks are
+    first written (allocate_kv_caches), so without this a budget the host cannot hold would
+    start fine and be killed by the kernel hours later, under load."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return  # not Linux: nothing to compare with
+    match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE)
+    if match is None:
+        return
+    available = int(match.group(1)) * 1024
+    if budget_bytes > available:
+        raise ValueError(
+            f"kv_cache_memory_bytes: a KV cache of {budget_bytes / 2**30:.2f} GiB does not fit in "
+            f"the {available / 2**30:.2f} GiB of memory this host has available now; "
+            "lower --kv-cache-memory-bytes"
+        )
 
 
 def resolve_device(device: str) -> torch.device:
@@ -131,11 +152,12 @@ class Worker:
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take on this device."""
-        if self.config.kv_cache_memory_bytes is not None:
-            return int(self.config.kv_cache_memory_bytes)
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        return self._cuda_budget_bytes()
+        if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
+            return self._cuda_budget_bytes()
+        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        if self.device.type == "cpu":
+            _check_host_memory(int(budget))
+        return int(budget)
 
     def initialize_cache(self, plan: KVCachePlan) -> None:
         assert self.model is not None
