@@ -10,7 +10,8 @@ tokens out, EOS ignored, C at a time. Printed: a markdown table of output tokens
 TTFT p50 per server and the ratio pagedllm / llama.cpp, with each server's time to ready and peak
 RSS; everything to OUT/results.json, logs to OUT/*.log. Files with random weights (see
 write_gguf.py) time the same as real ones of their shapes: the work per token does not depend on
-the values. With --vllm-venv, vLLM's CPU build serves the same shape in bfloat16 with random
+the values. --rounds N measures each cell N times, the servers in turn, a table row per round.
+With --vllm-venv, vLLM's CPU build serves the same shape in bfloat16 with random
 weights (`--load-format dummy`, on the config pagedllm derives from the file) at 8 and 32 in
 flight: the engine a user would batch with instead.
 """
@@ -18,6 +19,7 @@ flight: the engine a user would batch with instead.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -91,6 +93,13 @@ def main() -> None:
         "at --vllm-concurrency",
     )
     parser.add_argument("--vllm-concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure each file and number in flight this many times, the servers in turn each "
+        "round: a shared host's speed moves from minute to minute; the rounds' spread shows how much",
+    )
     parser.add_argument("--port", type=int, default=8150)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--out", type=Path, default=REPO / "results/quantized_models")
@@ -103,16 +112,23 @@ def main() -> None:
         "runs": [],
     }
     print(
-        "| file | in flight | pagedllm tok/s | llama.cpp tok/s | ratio | TPOT p50 ms | TTFT p50 ms "
+        "| file | in flight | round | pagedllm tok/s | llama.cpp tok/s | ratio | TPOT p50 ms | TTFT p50 ms "
         "| ready s | peak RSS GiB | vLLM bf16 tok/s | ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for gguf in args.files:
-        for c in args.concurrency:
+        for c, round_number in itertools.product(args.concurrency, range(1, args.rounds + 1)):
             ours, theirs = measure("pagedllm", args, gguf, c), measure("llama.cpp", args, gguf, c)
             vllm = measure("vllm", args, gguf, c) if args.vllm_venv and c in args.vllm_concurrency else None
             results["runs"].append(
-                {"file": gguf.name, "concurrency": c, "pagedllm": ours, "llama.cpp": theirs, "vllm": vllm}
+                {
+                    "file": gguf.name,
+                    "concurrency": c,
+                    "round": round_number,
+                    "pagedllm": ours,
+                    "llama.cpp": theirs,
+                    "vllm": vllm,
+                }
             )
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
             ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
@@ -123,7 +139,7 @@ def main() -> None:
                 else "- | -"
             )
             print(
-                f"| {gguf.name} | {c} | {ours['output_tokens_per_s']:.1f} | "
+                f"| {gguf.name} | {c} | {round_number} | {ours['output_tokens_per_s']:.1f} | "
                 f"{theirs['output_tokens_per_s']:.1f} | "
                 f"{ratio:.2f} | {ours['tpot_p50_ms']:.0f} / {theirs['tpot_p50_ms']:.0f} | "
                 f"{ours['ttft_p50_ms']:.0f} / {theirs['ttft_p50_ms']:.0f} | "
