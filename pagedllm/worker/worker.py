@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def _check_host_memory(budget_bytes: int) -> None:
-    """Refuse a CPU cache larger than the memory free now. Its pages are taken as blocks are
+    """Refuse a CPU cache larger than the memory available now. Its pages are taken as blocks are
     first written (allocate_kv_caches), so without this a budget the host cannot hold would
     start fine and be killed by the kernel hours later, under load."""
     try:
