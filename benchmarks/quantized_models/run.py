@@ -66,14 +66,15 @@ def run_client(url: str, c: int, out: Path) -> dict:
     return bench_random(url, MODEL_NAME, c, num_prompts, PROMPT_TOKENS, OUTPUT_TOKENS, out)
 
 
-def measure(name: str, args: argparse.Namespace, gguf: Path, c: int) -> dict:
-    log = args.out / f"{name}_{gguf.stem}_c{c}.log"
+def measure(name: str, args: argparse.Namespace, gguf: Path, c: int, round_number: int) -> dict:
+    stem = f"{name}_{gguf.stem}_c{c}" + (f"_r{round_number}" if args.rounds > 1 else "")
+    log = args.out / f"{stem}.log"
     cmd, env = server_cmd(name, args, gguf, c)
     server = Server(name, cmd, env, log, args.port)
     try:
         ready_s = server.start(args.ready_timeout)
         server.warm_up()
-        figures = run_client(server.url, c, args.out / f"{name}_{gguf.stem}_c{c}.json")
+        figures = run_client(server.url, c, args.out / f"{stem}.json")
         return {**figures, "ready_s": ready_s, "peak_rss_gib": server.peak_rss / 2**30}
     finally:
         server.stop()
@@ -118,8 +119,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for gguf in args.files:
         for c, round_number in itertools.product(args.concurrency, range(1, args.rounds + 1)):
-            ours, theirs = measure("pagedllm", args, gguf, c), measure("llama.cpp", args, gguf, c)
-            vllm = measure("vllm", args, gguf, c) if args.vllm_venv and c in args.vllm_concurrency else None
+            ours = measure("pagedllm", args, gguf, c, round_number)
+            theirs = measure("llama.cpp", args, gguf, c, round_number)
+            wants_vllm = args.vllm_venv and c in args.vllm_concurrency
+            vllm = measure("vllm", args, gguf, c, round_number) if wants_vllm else None
             results["runs"].append(
                 {
                     "file": gguf.name,
