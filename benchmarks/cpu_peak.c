@@ -27,54 +27,35 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static double dpbusd_rate(void) {
-  __m512i acc[kChains], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_epi32(i);
-  const double t = now();
-  for (long n = 0; n < kIters; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
-    __asm__ volatile("" : "+v"(w));
-  }
-  const double rate = kIters * kChains / (now() - t) / 1e9;
-  int sink = 0;
-  for (int i = 0; i < kChains; ++i) sink += _mm512_reduce_add_epi32(acc[i]);
-  __asm__ volatile("" : : "r"(sink));
-  return rate;
-}
+static inline __m512i int_lanes(int i) { return _mm512_set1_epi32(i); }
+static inline __m512 float_lanes(int i) { return _mm512_set1_ps((float)i); }
+static inline float int_sum(__m512i v) { return (float)_mm512_reduce_add_epi32(v); }
 
-static double dpbf16_rate(void) {
-  __m512 acc[kChains];
-  __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f80), x = (__m512bh)_mm512_set1_epi16(0x3f80);
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps((float)i);
-  const double t = now();
-  for (long n = 0; n < kIters; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], w, x);
-    __asm__ volatile("" : "+v"(w));
+// name(): instructions per second of kChains independent chains acc = STEP(acc, w, x); the
+// chains' sum goes to a sink, so that the compiler keeps them all
+#define CHAINS_RATE(name, Acc, Operand, acc_init, w_init, x_init, STEP, sum)  \
+  static double name(void) {                                                  \
+    Acc acc[kChains];                                                         \
+    Operand w = w_init, x = x_init;                                           \
+    for (int i = 0; i < kChains; ++i) acc[i] = acc_init(i);                   \
+    const double t = now();                                                   \
+    for (long n = 0; n < kIters; ++n) {                                       \
+      _Pragma("GCC unroll 12") for (int i = 0; i < kChains; ++i) acc[i] = STEP(acc[i], w, x); \
+      __asm__ volatile("" : "+v"(w));                                         \
+    }                                                                         \
+    const double rate = kIters * kChains / (now() - t) / 1e9;                 \
+    float sink = 0.f;                                                         \
+    for (int i = 0; i < kChains; ++i) sink += sum(acc[i]);                    \
+    __asm__ volatile("" : : "x"(sink));                                       \
+    return rate;                                                              \
   }
-  const double rate = kIters * kChains / (now() - t) / 1e9;
-  float sink = 0.f;
-  for (int i = 0; i < kChains; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-  __asm__ volatile("" : : "x"(sink));
-  return rate;
-}
 
-static double fma_rate(void) {
-  __m512 acc[kChains], w = _mm512_set1_ps(0.999f), x = _mm512_set1_ps(1e-3f);
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps((float)i);
-  const double t = now();
-  for (long n = 0; n < kIters; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], w, x);
-    __asm__ volatile("" : "+v"(w));
-  }
-  const double rate = kIters * kChains / (now() - t) / 1e9;
-  float sink = 0.f;
-  for (int i = 0; i < kChains; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-  __asm__ volatile("" : : "x"(sink));
-  return rate;
-}
+CHAINS_RATE(dpbusd_rate, __m512i, __m512i, int_lanes, _mm512_set1_epi8(3), _mm512_set1_epi8(5), _mm512_dpbusd_epi32,
+            int_sum)
+CHAINS_RATE(dpbf16_rate, __m512, __m512bh, float_lanes, (__m512bh)_mm512_set1_epi16(0x3f80),
+            (__m512bh)_mm512_set1_epi16(0x3f80), _mm512_dpbf16_ps, _mm512_reduce_add_ps)
+CHAINS_RATE(fma_rate, __m512, __m512, float_lanes, _mm512_set1_ps(0.999f), _mm512_set1_ps(1e-3f), _mm512_fmadd_ps,
+            _mm512_reduce_add_ps)
 
 // vpdpbusd issued per second inside whole 32-blocks, shaped as quant_linear's prompt tile: 6 rows
 // x 2 vectors of 16 columns, 8 vpdpbusd each per block, then per row and vector a convert, a
