@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedllm.layers.quantization import packed_bits_per_weight
+from pagedllm.model.checkpoint_quant import CheckpointQuantization
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import gguf_hf_config
 from pagedllm.model.loader import locate_model, resolve_dtype
@@ -120,20 +121,31 @@ def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
 
 
 def weights_by_format(
-    model_config: ModelConfig, dtype: str, quantization: str | None, tp_size: int = 1
+    model_config: ModelConfig,
+    dtype: str,
+    quantization: str | None,
+    tp_size: int = 1,
+    checkpoint: CheckpointQuantization | None = None,
 ) -> dict[str, int]:
-    """Resident weight bytes by format for a float checkpoint: all in `dtype`, or with
-    --quantization int8/int4 every projection but the LM head packed for the integer kernel."""
+    """Resident weight bytes by format for a safetensors checkpoint: all in `dtype`; or every
+    projection but the LM head packed for the integer kernel, quantized at load (--quantization
+    int8/int4) or as the checkpoint stores them (AWQ, GPTQ, compressed-tensors: its first
+    scheme's bits, unless --quantization none)."""
     total = model_config.num_parameters(tp_size)
-    if quantization not in ("int8", "int4"):
-        return {dtype: total * _DTYPE_BYTES[dtype]}
     projections = model_config.projection_parameters(tp_size)
-    bits = (
-        packed_bits_per_weight(8, has_mins=False)
-        if quantization == "int8"
-        else packed_bits_per_weight(4, has_mins=True)
-    )
-    return {quantization: int(projections * bits / 8), dtype: (total - projections) * _DTYPE_BYTES[dtype]}
+    if quantization in ("int8", "int4"):
+        name = quantization
+        bits: float | None = packed_bits_per_weight(
+            8 if quantization == "int8" else 4, has_mins=quantization == "int4"
+        )
+    elif checkpoint is not None and quantization != "none":
+        scheme = checkpoint.groups[0][1]
+        name, bits = checkpoint.format(scheme), scheme.packed_bits
+    else:
+        bits = None
+    if bits is None:
+        return {dtype: total * _DTYPE_BYTES[dtype]}
+    return {name: int(projections * bits / 8), dtype: (total - projections) * _DTYPE_BYTES[dtype]}
 
 
 @dataclass(frozen=True)
@@ -238,6 +250,7 @@ def plan_capacity(
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
     gguf_path: Path | None = None,
+    checkpoint: CheckpointQuantization | None = None,
     shared_prefix_tokens: int = 0,
 ) -> CapacityPlan:
     """Blocks, tokens and concurrency for one setting, plus the what-if grid. With tensor
@@ -258,7 +271,9 @@ def plan_capacity(
             raise ValueError("plan: a GGUF's own formats are planned for one rank; give --quantization none")
         by_format = gguf_weights_by_format(gguf_path, model_dtype)
     else:
-        by_format = weights_by_format(model_config, model_dtype, quantization, tensor_parallel_size)
+        by_format = weights_by_format(
+            model_config, model_dtype, quantization, tensor_parallel_size, checkpoint
+        )
     kv_bytes = budget.kv_cache_bytes(sum(by_format.values()))
     if not 0 <= shared_prefix_tokens < served_len:
         raise ValueError(

@@ -22,6 +22,8 @@ from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.linear import Linear, Loaded, copy_weight
 from pagedllm.layers.lm_head import ParallelLMHead
 from pagedllm.layers.quantization import BlockQuantized, quantize
+from pagedllm.model.checkpoint_quant import METHODS as CHECKPOINT_METHODS
+from pagedllm.model.checkpoint_quant import iter_checkpoint_weights, read_checkpoint_quantization
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import converted_folder, gguf_source
 from pagedllm.model.hub import hub_model_path, is_hub_model
@@ -120,7 +122,10 @@ def load_model(
     """The model with its weights; with `tp`, this rank's share of them only. `quantization`:
     --quantization (None: the checkpoint's own, quantized blocks kept for a GGUF)."""
     source = gguf_source(folder)
-    check_quantization(quantization, is_gguf=source is not None)
+    checkpoint = None if source is not None else read_checkpoint_quantization(folder)
+    check_quantization(
+        quantization, is_gguf=source is not None, checkpoint_method=checkpoint.method if checkpoint else None
+    )
     if source is not None:
         from pagedllm.model.gguf_weights import iter_gguf_weights
 
@@ -131,6 +136,8 @@ def load_model(
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {folder}")
         weights = _iter_tensors(files)
+        if checkpoint is not None:
+            weights = iter_checkpoint_weights(weights, checkpoint)
     size = sum(file.stat().st_size for file in files)
     logger.info(
         "Loading weights from %s (%d file%s, %.2f GiB) as %s on %s%s",
@@ -152,13 +159,21 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def check_quantization(quantization: str | None, *, is_gguf: bool) -> None:
-    """Refuse what cannot apply: gguf without a GGUF, int8/int4 on weights already quantized."""
+def check_quantization(
+    quantization: str | None, *, is_gguf: bool, checkpoint_method: str | None = None
+) -> None:
+    """Refuse what cannot apply: gguf without a GGUF, awq / gptq / compressed-tensors other than
+    the checkpoint's own method (vLLM's rule), int8/int4 on weights already quantized."""
+    own = "gguf" if is_gguf else checkpoint_method
     if quantization == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf: the model is not a .gguf file")
-    if quantization in ("int8", "int4") and is_gguf:
+    if quantization in CHECKPOINT_METHODS and quantization != own:
+        held = f"{own}-quantized (give --quantization {own}, or leave it out)" if own else "not quantized"
+        raise ValueError(f"--quantization {quantization}: the model's weights are {held}")
+    if quantization in ("int8", "int4") and own:
+        kind = "GGUF" if is_gguf else f"{own} checkpoint"
         raise ValueError(
-            f"--quantization {quantization} quantizes a float checkpoint; this GGUF is quantized already "
+            f"--quantization {quantization} quantizes a float checkpoint; this {kind} is quantized already "
             "(leave --quantization out to keep its formats, or give none to dequantize it)"
         )
 

@@ -7,7 +7,8 @@ import json
 from typing import get_args
 
 from pagedllm.config import DType, KVCacheDType, Quantization, parse_memory_size
-from pagedllm.model.loader import locate_model, model_display_name
+from pagedllm.model.checkpoint_quant import read_checkpoint_quantization
+from pagedllm.model.loader import check_quantization, locate_model, model_display_name
 from pagedllm.planner import (
     WHAT_IF_KV_CACHE_DTYPES,
     CapacityPlan,
@@ -89,12 +90,15 @@ def run(args: argparse.Namespace) -> None:
 
 
 def build_plan(args: argparse.Namespace) -> CapacityPlan:
-    gguf_path = None
+    gguf_path, checkpoint = None, None
     if args.layers is None:
         config = read_model_config(args.model, revision=args.revision, download_dir=args.download_dir)
         name = model_display_name(args.model)
         path = locate_model(args.model, revision=args.revision, download_dir=args.download_dir, weights=False)
         gguf_path = path if path.suffix == ".gguf" else None
+        checkpoint = read_checkpoint_quantization(path) if gguf_path is None else None
+        own_method = checkpoint.method if checkpoint else None
+        check_quantization(args.quantization, is_gguf=gguf_path is not None, checkpoint_method=own_method)
     elif args.model is not None:
         raise ValueError("give --model or the model by numbers (--layers ...), not both")
     else:
@@ -126,6 +130,7 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
         budget=budget,
         quantization=args.quantization,
         gguf_path=gguf_path,
+        checkpoint=checkpoint,
         shared_prefix_tokens=args.shared_prefix_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
     )
