@@ -14,6 +14,7 @@ float at load instead. Tensors a scheme leaves alone (embeddings, norms, the LM 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -209,6 +210,7 @@ def iter_checkpoint_weights(
     `MODULE.weight`: BlockQuantized, or float where its groups are not runs of whole blocks.
     Other tensors pass through; a projection missing a part is a ValueError."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    held_as_float: dict[str, int] = {}  # why -> how many projections
     for name, tensor in tensors:
         module, _, leaf = name.rpartition(".")
         if leaf in _IGNORED_PARTS:
@@ -227,7 +229,18 @@ def iter_checkpoint_weights(
         parts[leaf] = tensor
         if parts.keys() >= scheme.parts:
             del pending[module]
-            yield f"{module}.weight", _read_weight(parts, scheme, quantization.format(scheme), module)
+            weight, why_float = _read_weight(parts, scheme, quantization.format(scheme), module)
+            if why_float:
+                held_as_float[why_float] = held_as_float.get(why_float, 0) + 1
+            yield f"{module}.weight", weight
+    for why, count in held_as_float.items():
+        logger.info(
+            "%d projections dequantized to float at load: %s (the integer kernel takes groups of "
+            "whole blocks of %d inputs, in order)",
+            count,
+            why,
+            BLOCK,
+        )
     if pending:
         module, parts = next(iter(pending.items()))
         scheme = quantization.scheme_for(module)
@@ -237,8 +250,9 @@ def iter_checkpoint_weights(
 
 def _read_weight(
     parts: dict[str, torch.Tensor], scheme: Scheme, format: str, module: str
-) -> torch.Tensor | BlockQuantized:
-    """One projection's parts -> W[N, K] as codes, scales and zeros, kept encoded per row."""
+) -> tuple[torch.Tensor | BlockQuantized, str]:
+    """One projection's parts -> W[N, K] as codes, scales and zeros, kept encoded per row; or
+    float, with the reason (empty when kept quantized)."""
     try:
         codes, scales, zeros, groups_of_inputs = _codes_scales_zeros(parts, scheme)
     except (RuntimeError, ValueError) as err:
@@ -247,22 +261,13 @@ def _read_weight(
     group = k // scales.shape[1]
     positional = groups_of_inputs is None or torch.equal(groups_of_inputs.long(), torch.arange(k) // group)
     if not positional or group % BLOCK:
-        logger.info(
-            "%s: %s, dequantized to float at load (the integer kernel takes groups of whole "
-            "blocks of %d inputs in order)",
-            module,
-            "act-order groups" if not positional else f"groups of {group} inputs",
-            BLOCK,
-        )
         index = groups_of_inputs.long() if groups_of_inputs is not None else torch.arange(k) // group
-        return scales[:, index] * (codes.float() - zeros[:, index])
+        why = "act-order groups" if not positional else f"groups of {group} inputs"
+        return scales[:, index] * (codes.float() - zeros[:, index]), why
     raw = _encode_rows(codes, scales, zeros, scheme.bits)
-    return BlockQuantized.from_encoded(
-        EncodedRows(raw, format, lambda rows: _decode_rows(rows, k, scheme.bits, format)),
-        k,
-        scheme.bits,
-        format,
-    )
+    encoding = f"{format}, groups of {group}"  # rows join only with rows of the same layout
+    decode = functools.partial(_decode_rows, k=k, bits=scheme.bits, format=format)
+    return BlockQuantized.from_encoded(EncodedRows(raw, encoding, decode), k, scheme.bits, format), ""
 
 
 def _codes_scales_zeros(
