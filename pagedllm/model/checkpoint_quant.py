@@ -34,6 +34,7 @@ METHODS = ("awq", "gptq", "compressed-tensors")
 
 AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ's GEMM packing: nibble i of a packed word holds output column 8c + AWQ_COLUMN_OF_NIBBLE[i]."""
+_AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_COLUMN_OF_NIBBLE.index(column) for column in range(8))
 
 _IGNORED_PARTS = ("input_scale", "input_zero_point", "output_scale", "weight_shape", "k_scale", "v_scale")
 """Tensors read and dropped: static activation and KV scales (the kernel quantizes activations
@@ -273,12 +274,12 @@ def _read_weight(
 def _codes_scales_zeros(
     parts: dict[str, torch.Tensor], scheme: Scheme
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """codes (uint, [N, K], 0 .. 2^bits - 1), scales (float32, [N, groups]), zeros (float32, the
+    """codes (uint8, [N, K], 0 .. 2^bits - 1), scales (float32, [N, groups]), zeros (float32, the
     codes' domain, [N, groups]) and each input's group where the scheme says it (act order)."""
     bits, half = scheme.bits, 1 << (scheme.bits - 1)
     if scheme.layout == "awq":
-        codes = _awq_columns(_unpack(parts["qweight"], bits, dim=1)).T
-        zeros = _awq_columns(_unpack(parts["qzeros"], bits, dim=1)).T.float()
+        codes = _unpack(parts["qweight"], bits, dim=1, nibble_order=_AWQ_NIBBLE_OF_COLUMN).T
+        zeros = _unpack(parts["qzeros"], bits, dim=1, nibble_order=_AWQ_NIBBLE_OF_COLUMN).T.float()
         scales = parts["scales"].T.float()
     elif scheme.layout in ("gptq", "gptq_v2"):
         codes = _unpack(parts["qweight"], bits, dim=0).T
@@ -289,7 +290,7 @@ def _codes_scales_zeros(
         if scheme.layout == "ct-packed":
             codes = _unpack(parts["weight_packed"], bits, dim=1)
         else:
-            codes = parts["weight"].to(torch.int32) + half
+            codes = (parts["weight"].to(torch.int16) + half).to(torch.uint8)
         scales = parts["weight_scale"].float().reshape(-1, parts["weight_scale"].shape[-1])
         scales = scales.expand(codes.shape[0], -1) if scales.shape[0] == 1 else scales
         zero_point = parts.get("weight_zero_point")
@@ -309,27 +310,28 @@ def _codes_scales_zeros(
     return codes, scales, zeros, groups_of_inputs
 
 
-def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words holding 32 / bits codes each, the first in the low bits, along `dim`."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    words = packed.to(torch.int32)
+def _unpack(
+    packed: torch.Tensor, bits: int, dim: int, nibble_order: tuple[int, ...] = tuple(range(8))
+) -> torch.Tensor:
+    """int32 words holding 32 / bits codes each along `dim` -> uint8 codes; at 4 bits the i-th
+    code of a word is its nibble nibble_order[i] (the lowest is 0). Read byte by byte (the
+    words' bytes in memory, lowest first on this little-endian host), so a weight costs a byte
+    of scratch, not four, and AWQ's interleave costs no gather of its own."""
+    rows, columns = packed.shape
+    codes = packed.to(torch.int32).contiguous().view(torch.uint8).view(rows, columns, 4)
+    if bits == 4:
+        low, high = codes & 15, codes >> 4
+        nibbles = [(high if i % 2 else low)[:, :, i // 2] for i in nibble_order]
+        codes = torch.stack(nibbles, dim=-1)
     if dim == 1:
-        return ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)
-    return ((words.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)).reshape(-1, words.shape[1])
-
-
-def _awq_columns(unpacked: torch.Tensor) -> torch.Tensor:
-    """AWQ's interleaved columns of each word put back in order."""
-    rows, columns = unpacked.shape
-    order = torch.tensor(AWQ_COLUMN_OF_NIBBLE).argsort()
-    return unpacked.view(rows, columns // 8, 8)[:, :, order].reshape(rows, columns)
+        return codes.reshape(rows, -1)
+    return codes.permute(0, 2, 1).reshape(-1, columns)
 
 
 def _encode_rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 [N, row bytes]: a row's codes (two a byte at 4 bits, the lower first), then its
     scales and zeros as float32. Rows stay whole, so slicing and joining by rows work on these
     bytes, and a model loads in about its file's size."""
-    codes = codes.to(torch.uint8)
     if bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
     floats = torch.cat([scales.float(), zeros.float()], dim=1).contiguous()
