@@ -216,6 +216,9 @@ def test_checkpoint_weights_read_without_loss(fmt, tmp_path):
         assert torch.equal(weight.float(), tensor.float()), name
     quantized = {name for name, weight in ours.items() if isinstance(weight, BlockQuantized)}
     assert len(quantized) == (0 if fmt in HELD_AS_FLOAT else 2 * len(PROJECTIONS)), quantized
+    # W8A8's dynamic per-token activations (int8 per channel, symmetric) are computed as such
+    w8a8 = fmt.name == "ct-int" and fmt.group_size == -1 and fmt.symmetric
+    assert all(ours[name].per_token == w8a8 for name in quantized)
 
 
 # The mean / max |logprob difference| kept quantized against dequantized, over 4 tiny models
@@ -225,8 +228,8 @@ def test_checkpoint_weights_read_without_loss(fmt, tmp_path):
 def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tmp_path):
     """An AWQ and a W8A8 checkpoint of a tiny random Qwen2: dequantized at load (--quantization
     none), float32 greedy tokens equal transformers' on the same weights; kept quantized (the
-    integer kernel, activations rounded to 8 bits per block of 32), its prompt logprobs stay close
-    to that run's."""
+    integer kernel, activations rounded to 8 bits per block of 32, per token for W8A8), its prompt
+    logprobs stay close to that run's."""
     from transformers import AutoModelForCausalLM
 
     save_tiny_model("qwen2-bias", tmp_path / "float")

@@ -3,7 +3,7 @@ an exact emulation of its arithmetic (each row's int8 activations per 32-block, 
 products, the blocks combined in float64: the kernel within a few float32 roundings of it),
 plain dequantize-then-matmul (within the worst case of the activations' rounding), a row alone
 against the same row among 37 and under any thread count (bit for bit), the packed sizes, and bad
-input refused with a readable error."""
+input refused with a readable error; the per-token mode (W8A8) against its exact product."""
 
 from __future__ import annotations
 
@@ -154,6 +154,54 @@ def test_quant_linear_gives_a_row_the_same_bits_whatever_shares_the_call(bits, m
         assert torch.equal(cpu_ops.quant_linear(x[1:], packed, bits, n, k, None), together)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(112, 256), (100, 2048), (48, 8192)])
+def test_per_token_quant_linear_is_a_w8a8_product(dtype, n, k):
+    """Per token (a W8A8 checkpoint's scheme): each row quantized with one dx = max|x| / 127, the
+    byte products summed exactly over all of K, scaled once by scale * dx: within 4 float32
+    roundings of the exact value (bfloat16 x: then one bfloat16 rounding); a row alone equals it
+    among the others, under 1 thread or all."""
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    column_scales = (torch.rand(n, 1, generator=gen) * 0.02 + 1e-3).half().float()
+    packed = cpu_ops.pack_quant_linear(
+        q, column_scales.expand(n, k // 32).contiguous(), None, 8, per_token=True
+    )
+    for rows in (1, 3, 8, 17, 64):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype) if rows % 2 else None
+        got = cpu_ops.quant_linear(x, packed, 8, n, k, bias)
+        dx = x.float().abs().amax(1, keepdim=True) / 127
+        quants = torch.round(x.float() / dx).double()
+        terms = (quants @ q.double().T) * (dx.double() * column_scales.double().T)
+        exact = terms + (0 if bias is None else bias.double())
+        tolerance = 4 * EPS32 * (terms.abs() + (0 if bias is None else bias.double().abs()))
+        if dtype == torch.bfloat16:
+            tolerance = tolerance * 1.01 + torch.finfo(dtype).eps / 2 * exact.abs()
+        assert ((got.double() - exact).abs() <= tolerance).all(), f"rows {rows}"
+        for i in range(min(rows, 3)):
+            assert torch.equal(cpu_ops.quant_linear(x[i : i + 1], packed, 8, n, k, bias), got[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_ops.quant_linear(x, packed, 8, n, k, bias), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_per_token_packing_refuses_weights_it_cannot_sum_over_k():
+    gen = torch.Generator().manual_seed(7)
+    q, scales, mins = make_weight(8, 32, 64, "free", gen)
+    with pytest.raises(RuntimeError, match="8-bit weights with one scale per column"):
+        cpu_ops.pack_quant_linear(q, scales, None, 8, per_token=True)  # a scale per block
+    column = scales[:, :1].expand(32, 2).contiguous()
+    with pytest.raises(RuntimeError, match="no mins"):
+        cpu_ops.pack_quant_linear(q, column, mins, 8, per_token=True)
+    q4, scales4, _ = make_weight(4, 32, 64, "none", gen)
+    with pytest.raises(RuntimeError, match="8-bit"):
+        cpu_ops.pack_quant_linear(q4, scales4[:, :1].expand(32, 2).contiguous(), None, 4, per_token=True)
 
 
 @pytest.mark.parametrize(

@@ -303,7 +303,11 @@ def serves_quant_linear(bits: int, n: int, k: int) -> bool:
 
 
 def pack_quant_linear(
-    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """The weight W[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32] (mins None: zero) as
     quant_linear streams it: one uint8 tensor, 4.5 bits per weight at 4 bits (5 with mins that
@@ -311,8 +315,10 @@ def pack_quant_linear(
     N padded to a multiple of 64; scales and mins stored as float16 (exact for GGUF's, which are
     float16; others rounded, 2^-11 relative at most). q: int8 [N, K], 0..15 for bits=4,
     -128..127 for bits=8; scales, mins: float32 [N, K // 32]. Deterministic; the layout is in
-    csrc/quant_linear_cpu.cpp."""
-    return torch.ops.pagedllm.pack_quant_linear(q, scales, mins, bits)
+    csrc/quant_linear_cpu.cpp. per_token: quant_linear quantizes each activation row with one
+    scale (a W8A8 checkpoint's dynamic per-token scheme) and sums over all of K in int32; it takes
+    8-bit weights with one scale per column and no mins (RuntimeError otherwise)."""
+    return torch.ops.pagedllm.pack_quant_linear(q, scales, mins, bits, per_token)
 
 
 GGUF_PACKED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -341,7 +347,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """x @ W.T (+ bias), [M, K] float32 or bfloat16 -> [M, N] in x's dtype, from pack_quant_linear's
     weight: x's rows quantized to int8 per 32-block (as llama.cpp's Q8_0), the byte products summed
-    in int32, each block's sum scaled in float32; each row's result is its own, whatever rows
+    in int32, each block's sum scaled in float32 (per token where the weight was packed so: one
+    scale a row, one sum over K); each row's result is its own, whatever rows
     share the call (csrc/quant_linear_cpu.cpp). `stream_ahead`: how far ahead the weights are
     prefetched as they stream (0: left to the hardware); it changes the time, never the result."""
     return torch.ops.pagedllm.quant_linear(x, packed, bits, n, k, bias, stream_ahead)

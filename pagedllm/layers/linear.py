@@ -114,7 +114,7 @@ def pack_for_quant_linear(weight: BlockQuantized) -> torch.Tensor:
     encoded = weight.still_encoded
     if encoded is not None and encoded.encoding in cpu_ops.GGUF_PACKED_FORMATS:
         return cpu_ops.pack_gguf_linear(encoded.raw, encoded.encoding, weight.shape[1])
-    return cpu_ops.pack_quant_linear(weight.q, weight.scales, weight.mins, weight.bits)
+    return cpu_ops.pack_quant_linear(weight.q, weight.scales, weight.mins, weight.bits, weight.per_token)
 
 
 def runs_of_equal_bits(parts: list[BlockQuantized]) -> list[BlockQuantized]:

@@ -58,6 +58,7 @@ class BlockQuantized:
         mins: torch.Tensor | None,
         bits: int,
         format: str,
+        per_token: bool = False,
     ) -> None:
         n, k = q.shape
         if k % BLOCK or scales.shape != (n, k // BLOCK):
@@ -71,15 +72,21 @@ class BlockQuantized:
         self.bits = bits
         self.format = format
         """Where it came from, for the start-up report: a GGUF type name (Q4_K) or int8/int4."""
+        self.per_token = per_token
+        """Its inputs are quantized with one scale per row, not per block: a W8A8 checkpoint's
+        dynamic per-token scheme, which the kernel computes as it is (8 bits, one scale per
+        column, no mins), summing over all of K before any float work."""
         self.encoded: EncodedRows | None = None
 
     @classmethod
-    def from_encoded(cls, encoded: EncodedRows, columns: int, bits: int, format: str) -> BlockQuantized:
+    def from_encoded(
+        cls, encoded: EncodedRows, columns: int, bits: int, format: str, per_token: bool = False
+    ) -> BlockQuantized:
         """Rows still encoded, `columns` values each, read out as `bits`-bit codes when used."""
         weight = cls.__new__(cls)
         weight._q = weight._scales = weight._mins = None
         weight._shape = torch.Size((encoded.raw.shape[0], columns))
-        weight.bits, weight.format, weight.encoded = bits, format, encoded
+        weight.bits, weight.format, weight.encoded, weight.per_token = bits, format, encoded, per_token
         return weight
 
     @property
@@ -147,6 +154,7 @@ class BlockQuantized:
             mins if mins is None else mins.contiguous(),
             self.bits,
             self.format,
+            self.per_token,
         )
 
     def permute_rows(self, order: torch.Tensor) -> BlockQuantized:
@@ -167,7 +175,7 @@ class BlockQuantized:
         """The same rows `fn` picks, of the encoded bytes while they are not read out."""
         if (encoded := self.still_encoded) is not None:
             encoded = dataclasses.replace(encoded, raw=fn(encoded.raw).contiguous())
-            return BlockQuantized.from_encoded(encoded, self.shape[1], self.bits, self.format)
+            return BlockQuantized.from_encoded(encoded, self.shape[1], self.bits, self.format, self.per_token)
         mins = self.mins
         return BlockQuantized(
             fn(self.q).contiguous(),
@@ -175,19 +183,24 @@ class BlockQuantized:
             None if mins is None else fn(mins).contiguous(),
             self.bits,
             self.format,
+            self.per_token,
         )
 
 
 def join_rows(parts: Sequence[BlockQuantized]) -> BlockQuantized:
-    """Parts stacked by output rows (q/k/v into qkv), widened to the widest part's bits."""
+    """Parts stacked by output rows (q/k/v into qkv), widened to the widest part's bits; their
+    inputs quantized per token only where every part's are (per block is the finer)."""
     if len(parts) == 1:
         return parts[0]
+    per_token = all(part.per_token for part in parts)
     encoded = [e for part in parts if (e := part.still_encoded) is not None]
     if len(encoded) == len(parts) and len({e.encoding for e in encoded}) == 1:
         raw = torch.cat([e.raw for e in encoded])
         releases = tuple(release for e in encoded for release in e.release)
         joined = dataclasses.replace(encoded[0], raw=raw, release=releases)
-        return BlockQuantized.from_encoded(joined, parts[0].shape[1], parts[0].bits, parts[0].format)
+        return BlockQuantized.from_encoded(
+            joined, parts[0].shape[1], parts[0].bits, parts[0].format, per_token
+        )
     bits = max(part.bits for part in parts)
     parts = [part.to_bits(bits) for part in parts]
     any_mins = any(part.mins is not None for part in parts)
@@ -197,9 +210,8 @@ def join_rows(parts: Sequence[BlockQuantized]) -> BlockQuantized:
         else None
     )
     formats = sorted({part.format for part in parts})
-    return BlockQuantized(
-        torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins, bits, "+".join(formats)
-    )
+    q, scales = torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts])
+    return BlockQuantized(q, scales, mins, bits, "+".join(formats), per_token and mins is None)
 
 
 def quantize(weight: torch.Tensor, bits: int) -> BlockQuantized:

@@ -38,8 +38,8 @@ _AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_COLUMN_OF_NIBBLE.index(column) for column in r
 
 _IGNORED_PARTS = ("input_scale", "input_zero_point", "output_scale", "weight_shape", "k_scale", "v_scale")
 """Tensors read and dropped: static activation and KV scales (the kernel quantizes activations
-per block of 32 as it computes; the KV cache has --kv-cache-dtype), and the shape of a packed
-weight (known from its scales)."""
+as it computes, per block of 32 or per token; the KV cache has --kv-cache-dtype), and the shape
+of a packed weight (known from its scales)."""
 
 
 _CT_LAYOUTS = {"pack-quantized": "ct-packed", "int-quantized": "ct-int", "naive-quantized": "ct-int"}
@@ -60,6 +60,10 @@ class Scheme:
     """Every zero the middle of the codes' range (compressed-tensors then stores none)."""
     act_order: bool = False
     """Each input's group given by g_idx rather than by its position."""
+    per_token: bool = False
+    """Activations quantized to int8 per token with dynamic scales (W8A8) over weights with one
+    scale per column: the kernel computes that scheme as it is. Other activation schemes (static
+    scales) are computed per block of 32, the finer."""
 
     @property
     def parts(self) -> frozenset[str]:
@@ -197,7 +201,18 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
             _group_size(weights.get("group_size"), "compressed-tensors") if strategy == "group" else -1
         )
         act_order = weights.get("actorder") not in (None, False, "static")
-        scheme = Scheme(layout, bits, group_size, bool(weights.get("symmetric", True)), act_order)
+        symmetric = bool(weights.get("symmetric", True))
+        activations = group.get("input_activations") or {}
+        per_token = (
+            activations.get("num_bits") == 8
+            and activations.get("type", "int") == "int"
+            and activations.get("strategy") == "token"
+            and bool(activations.get("dynamic"))
+            and bits == 8
+            and strategy in ("tensor", "channel")
+            and symmetric
+        )
+        scheme = Scheme(layout, bits, group_size, symmetric, act_order, per_token)
         groups.append((tuple(group.get("targets") or ("Linear",)), scheme))
     if not groups:
         raise ValueError("quantization_config (compressed-tensors): no config_groups")
@@ -268,7 +283,8 @@ def _read_weight(
     raw = _encode_rows(codes, scales, zeros, scheme.bits)
     encoding = f"{format}, groups of {group}"  # rows join only with rows of the same layout
     decode = functools.partial(_decode_rows, k=k, bits=scheme.bits, format=format)
-    return BlockQuantized.from_encoded(EncodedRows(raw, encoding, decode), k, scheme.bits, format), ""
+    encoded = EncodedRows(raw, encoding, decode)
+    return BlockQuantized.from_encoded(encoded, k, scheme.bits, format, scheme.per_token), ""
 
 
 def _codes_scales_zeros(

@@ -342,6 +342,7 @@ struct ByteQuadVec16 {
   __m512i v;
 
   static ByteQuadVec16 load(const void* p) { return {_mm512_loadu_si512(p)}; }
+  void store(void* p) const { _mm512_storeu_si512(p, v); }
   static ByteQuadVec16 broadcast(int32_t x) { return {_mm512_set1_epi32(x)}; }
   static ByteQuadVec16 broadcast_quad(const int8_t* p) {  // the 4 bytes at p, in every lane
     int32_t quad;
@@ -371,6 +372,7 @@ struct ByteQuadVec8 {
   __m256i v;
 
   static ByteQuadVec8 load(const void* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  void store(void* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   static ByteQuadVec8 broadcast(int32_t x) { return {_mm256_set1_epi32(x)}; }
   static ByteQuadVec8 broadcast_quad(const int8_t* p) {
     int32_t quad;

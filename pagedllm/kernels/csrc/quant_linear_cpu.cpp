@@ -10,6 +10,11 @@
 //   acc += (scale * dx) * sum(q * xq) + min * (dx * sum(xq))
 // Where every min is a whole multiple of its scale (min = -z * scale: Q4_0's z = 8, Q8_0's 0),
 // the min is folded into the integer sum instead (sum((q - z) * xq), exact) and not stored.
+// Per-token mode (a W8A8 checkpoint's scheme: 8 bits, one scale per column, activations quantized
+// per row with dynamic scales, as vLLM computes it): one dx for the whole row, the integer sums run
+// over all of K (at most K x 255 x 128: exact in int32 for K <= 65536) and are scaled once,
+//   out = (scale * dx) * sum(q * xq)
+// which drops the per-block float work that bounds the tiles on prompts.
 // Each output is its own row's sum over the blocks in order, whatever rows share the call; then
 // the bias, and for bfloat16 x one rounding.
 //
@@ -29,7 +34,7 @@
 // (they are float16 there); others (Q4_K's d * sc) are rounded to the nearest float16: a relative
 // error of 2^-11 at most (2^-25 absolute below float16's normal range, 6.1e-5), far below 4 bits'.
 //
-// pack_quant_linear(q [N, K] int8, scales [N, K / 32] float32, mins same or None, bits) -> uint8 blob
+// pack_quant_linear(q [N, K] int8, scales [N, K / 32] float32, mins same or None, bits, per_token) -> uint8 blob
 // quant_linear(x [M, K] float32 or bfloat16, packed, bits, n, k, bias [N] or None, stream_ahead) -> [M, N],
 // x's dtype (stream_ahead: how far ahead the weights are prefetched, 0: by the hardware alone)
 
@@ -82,7 +87,7 @@ at::Tensor as_float16(const at::Tensor& t, const char* name) {
 }
 
 at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                             int64_t bits) {
+                             int64_t bits, bool per_token) {
   TORCH_CHECK(bits == 4 || bits == 8, "pack_quant_linear: bits must be 4 or 8, not ", bits);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quant_linear: q must be an int8 [N, K] tensor, not ",
               q.scalar_type(), " ", q.sizes());
@@ -104,6 +109,9 @@ at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, cons
     has_mins = !z.has_value();
     zero_point = z.value_or(0);
   }
+  TORCH_CHECK(!per_token || (bits == 8 && !has_mins && k <= 65536 && scales.eq(scales.narrow(1, 0, 1)).all().item<bool>()),
+              "pack_quant_linear: per-token activations take 8-bit weights with one scale per column (the same in "
+              "every block), no mins other than a whole zero point, and K <= 65536");
   const int64_t groups = num_groups(n), padded = groups * kGroupCols;
   const at::Tensor qp = at::constant_pad_nd(q, {0, 0, 0, padded - n});
   at::Tensor w;
@@ -124,14 +132,15 @@ at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, cons
   if (has_mins) params = at::cat({params, params_of(*mins, "mins")}, 2);
   params = params.contiguous().view(at::kByte);
   at::Tensor header = at::zeros({kHeaderBytes}, q.options().dtype(at::kByte));
-  const PackedHeader h{{}, bits, n, k, zero_point, has_mins ? 1 : 0};
+  const PackedHeader h{{}, bits, n, k, zero_point, has_mins ? 1 : 0, per_token ? 1 : 0};
   std::memcpy(header.data_ptr(), &h, sizeof(h));
   std::memcpy(header.data_ptr(), kMagic, sizeof(kMagic));
   return at::cat({header, at::cat({w, params}, 2).flatten()});
 }
 
 // Each row of x quantized per 32-block: quants [K] int8, dx [blocks], dx * sum(quants) [blocks]
-// and the integer sums' start, -offset * sum(quants) [blocks], laid out for the tiles: rows in
+// and the integer sums' start, -offset * sum(quants) [blocks]; per token, one dx for the row (in
+// every block's place) and the start of the whole row's sum (likewise). Laid out for the tiles: rows in
 // tiles of tile_height (the last one h < tile_height rows), each tile's rows interleaved per
 // block (4 quants at a time) so that a tile reads them at fixed offsets from one pointer:
 //   quants of tile t (first row r0, h rows), block b:  [8 steps][h rows][4 quants] at r0 * K + b * 32 h
@@ -142,16 +151,23 @@ struct QuantRows {
 };
 
 template <typename FVec, typename T>
-void quantize_row(const T* x, int64_t blocks, int64_t h, int32_t offset, int8_t* quants, float* dx, float* dx_sums,
-                  int32_t* starts) {
+void quantize_row(const T* x, int64_t blocks, int64_t h, int32_t offset, bool per_token, int8_t* quants, float* dx,
+                  float* dx_sums, int32_t* starts) {
   constexpr int64_t kVecs = kBlock / FVec::kLanes;
+  float row_d = 0.f;
+  if (per_token) {
+    FVec amax = FVec::zero();
+    for (int64_t i = 0; i < blocks * kVecs; ++i) amax = FVec::max(amax, FVec::load(x + i * FVec::kLanes).abs());
+    row_d = amax.reduce_max() / 127.f;
+  }
+  int32_t row_start = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     FVec v[kVecs], amax = FVec::zero();
     for (int64_t i = 0; i < kVecs; ++i) {
       v[i] = FVec::load(x + b * kBlock + i * FVec::kLanes);
       amax = FVec::max(amax, v[i].abs());
     }
-    const float d = amax.reduce_max() / 127.f;
+    const float d = per_token ? row_d : amax.reduce_max() / 127.f;
     FVec sum = FVec::zero();  // whole numbers: exact
     const FVec dv = FVec::broadcast(d);
     int8_t block[kBlock];
@@ -163,11 +179,15 @@ void quantize_row(const T* x, int64_t blocks, int64_t h, int32_t offset, int8_t*
     for (int64_t s = 0; s < kBlock / 4; ++s) std::memcpy(quants + b * kBlock * h + s * 4 * h, block + 4 * s, 4);
     const float total = sum.reduce_add();
     dx[b * h] = d, dx_sums[b * h] = d * total, starts[b * h] = -offset * static_cast<int32_t>(total);
+    row_start += starts[b * h];
+  }
+  if (per_token) {
+    for (int64_t b = 0; b < blocks; ++b) starts[b * h] = row_start;
   }
 }
 
 template <typename FVec>
-QuantRows quantize_rows(const at::Tensor& x, int32_t offset, int64_t tile_height) {
+QuantRows quantize_rows(const at::Tensor& x, int32_t offset, bool per_token, int64_t tile_height) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   const auto options = x.options();
   QuantRows r{at::empty({rows, k}, options.dtype(at::kChar)), at::empty({rows, blocks}, options.dtype(at::kFloat)),
@@ -179,7 +199,7 @@ QuantRows quantize_rows(const at::Tensor& x, int32_t offset, int64_t tile_height
       const int64_t first = row / tile_height * tile_height, h = std::min(tile_height, rows - first);
       const int64_t i = row - first;  // the row's place in its tile
       auto quantize = [&](const auto* xr) {
-        quantize_row<FVec>(xr + row * x.stride(0), blocks, h, offset, r.quants.data_ptr<int8_t>() + first * k + 4 * i,
+        quantize_row<FVec>(xr + row * x.stride(0), blocks, h, offset, per_token, r.quants.data_ptr<int8_t>() + first * k + 4 * i,
                            r.dx.data_ptr<float>() + first * blocks + i,
                            r.dx_sums.data_ptr<float>() + first * blocks + i,
                            r.starts.data_ptr<int32_t>() + first * blocks + i);
@@ -235,9 +255,11 @@ void store_row(const TileArgs& a, int64_t at, FVec r, int64_t n) {
 }
 
 // M rows times P panels (V vectors of lanes), all blocks: per block the integer sums of M x V
-// vectors, then M x V float multiply-adds.
-template <typename Quads, typename FVec, int Bits, bool HasMins, int M, int P>
+// vectors, then M x V float multiply-adds; per token, the integer sums go on over the blocks (carried
+// between runs of blocks as int32 in `sums`) and are scaled once at the end.
+template <typename Quads, typename FVec, int Bits, bool HasMins, bool PerToken, int M, int P>
 void tile(const TileArgs& a) {
+  static_assert(!PerToken || (Bits == 8 && !HasMins), "per-token activations take 8-bit weights without mins");
   constexpr int64_t L = Quads::kLanes, V = P * kPanelCols / L, kStepBytes = kGroupPanels * 64;
   const uint8_t* w[V];  // vector v's 64-byte-step slices, steps kStepBytes apart
   const c10::Half* params[V];
@@ -247,13 +269,20 @@ void tile(const TileArgs& a) {
     params[v] = reinterpret_cast<const c10::Half*>(a.group + kGroupPanels * Bits * 64) + col;
   }
   FVec acc[M][V];
-  for (int m = 0; m < M; ++m)
-    for (int64_t v = 0; v < V; ++v) acc[m][v] = a.resumes ? FVec::load(a.sums + m * kGroupCols + v * L) : FVec::zero();
+  Quads sums[M][V];
+  for (int m = 0; m < M; ++m) {
+    for (int64_t v = 0; v < V; ++v) {
+      float* carried = a.sums + m * kGroupCols + v * L;
+      if constexpr (PerToken) sums[m][v] = a.resumes ? Quads::load(carried) : Quads::broadcast(a.starts[m]);
+      else acc[m][v] = a.resumes ? FVec::load(carried) : FVec::zero();
+    }
+  }
   for (int64_t b = 0; b < a.blocks; ++b) {
-    Quads sums[M][V];
-    for (int m = 0; m < M; ++m) {
-      const Quads start = Quads::broadcast(a.starts[b * M + m]);
-      for (int64_t v = 0; v < V; ++v) sums[m][v] = Bits == 8 ? start : Quads::nibble_start(start);
+    if constexpr (!PerToken) {
+      for (int m = 0; m < M; ++m) {
+        const Quads start = Quads::broadcast(a.starts[b * M + m]);
+        for (int64_t v = 0; v < V; ++v) sums[m][v] = Bits == 8 ? start : Quads::nibble_start(start);
+      }
     }
     const int8_t* x = a.quants + b * kBlock * M;
     auto step = [&](const Quads* weights, int64_t k) {  // k: the step's first input in the block
@@ -284,6 +313,7 @@ void tile(const TileArgs& a) {
         step(nibbles, 16 + 4 * g);
       }
     }
+    if constexpr (PerToken) continue;
     if constexpr (Bits == 4) {
       for (int m = 0; m < M; ++m) {
         const Quads start = Quads::broadcast(a.starts[b * M + m]);
@@ -306,9 +336,20 @@ void tile(const TileArgs& a) {
     }
   }
   if (!a.finishes) {
-    for (int m = 0; m < M; ++m)
-      for (int64_t v = 0; v < V; ++v) acc[m][v].store(a.sums + m * kGroupCols + v * L);
+    for (int m = 0; m < M; ++m) {
+      for (int64_t v = 0; v < V; ++v) {
+        float* carried = a.sums + m * kGroupCols + v * L;
+        if constexpr (PerToken) sums[m][v].store(carried);
+        else acc[m][v].store(carried);
+      }
+    }
     return;
+  }
+  if constexpr (PerToken) {  // every block holds the column's scale and the row's dx: the first's
+    for (int m = 0; m < M; ++m) {
+      const FVec dx = FVec::broadcast(a.dx[m]);
+      for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::mul(sums[m][v].to_float(), FVec::mul(FVec::load(params[v]), dx));
+    }
   }
   for (int64_t v = 0; v < V && v * L < a.cols; ++v) {
     const FVec bias = a.bias == nullptr ? FVec::zero() : FVec::load(a.bias + v * L);
@@ -323,14 +364,14 @@ void tile(const TileArgs& a) {
 // Zen 5 (AVX-512): a decode step streams fastest a whole group at a time; from ~16 rows on, the
 // tiles are bound by the vector pipes that take both vpdpbusd and the float work (6 x 2, 4 x 2
 // and 8 x 1 alike).
-template <typename Quads, typename FVec, int Bits, bool HasMins>
+template <typename Quads, typename FVec, int Bits, bool HasMins, bool PerToken>
 struct Tiles {
   static constexpr bool kWideRegs = Quads::kLanes == 16;
   static constexpr int64_t kFewRows = kWideRegs ? 8 : 2, kFewTileRows = kWideRegs ? 2 : 1, kWide = kWideRegs ? 4 : 2;
   static constexpr int64_t kTileRows = kWideRegs ? 6 : 2, kNarrow = kWideRegs ? 2 : 1;
   template <int M, int P>
   static void run(const TileArgs& a) {
-    tile<Quads, FVec, Bits, HasMins, M, P>(a);
+    tile<Quads, FVec, Bits, HasMins, PerToken, M, P>(a);
   }
 };
 
@@ -400,14 +441,14 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
 
 // (Quads, FVec: template parameters, so that builds without AVX2, where they are only declared,
 // never instantiate this)
-template <int Bits, bool HasMins, typename Quads = QuadVec, typename FVec = QuantFloat>
+template <int Bits, bool HasMins, bool PerToken = false, typename Quads = QuadVec, typename FVec = QuantFloat>
 void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, const float* bias, int64_t stream_ahead,
          at::Tensor& out) {
   if constexpr (kHasQuant) {
     const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
-    using T = Tiles<Quads, FVec, Bits, HasMins>;
+    using T = Tiles<Quads, FVec, Bits, HasMins, PerToken>;
     const int64_t tile_height = x.size(0) <= T::kFewRows ? T::kFewTileRows : T::kTileRows;
-    const QuantRows xq = quantize_rows<FVec>(x, offset, tile_height);
+    const QuantRows xq = quantize_rows<FVec>(x, offset, PerToken, tile_height);
     run_groups<T>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, stream_ahead, out);
   }
 }
@@ -442,6 +483,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
               stream_ahead);
   const int64_t s = stream_ahead;
   if (bits == 4) h.has_mins ? run<4, true>(xr, h, packed, b, s, out) : run<4, false>(xr, h, packed, b, s, out);
+  else if (h.per_token) run<8, false, true>(xr, h, packed, b, s, out);
   else h.has_mins ? run<8, true>(xr, h, packed, b, s, out) : run<8, false>(xr, h, packed, b, s, out);
   return out;
 }
@@ -450,7 +492,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_linear_available() -> bool", &available);
-  m.def("pack_quant_linear(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
+  m.def("pack_quant_linear(Tensor q, Tensor scales, Tensor? mins, int bits, bool per_token=False) -> Tensor");
   m.impl("pack_quant_linear", c10::DispatchKey::CPU, &pack_quant_linear);
   m.def("quant_linear(Tensor x, Tensor packed, int bits, int n, int k, Tensor? bias, int stream_ahead=4096) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);

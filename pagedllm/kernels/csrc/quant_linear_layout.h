@@ -13,6 +13,7 @@ struct PackedHeader {
   int64_t bits, n, k;
   int64_t zero_point;  // z: every min is -z * its scale, folded into the integer sums
   int64_t has_mins;    // 1: float16 mins stored after each block's scales
+  int64_t per_token;   // 1: activations quantized per row, not per block; one scale per column (8 bits)
 };
 constexpr char kMagic[8] = "pqlin01";
 
