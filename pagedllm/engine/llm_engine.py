@@ -327,20 +327,17 @@ class LLMEngine:
         plan: KVCachePlan = self.kv_cache_plan
         device = self.worker.device.type
         by_format = sorted(self.worker.weights_bytes_by_format().items(), key=lambda item: -item[1])
-        logger.info(
+        copy_bytes = self.worker.packed_copy_bytes
+        logger.info(  # the formats' sizes add up to the total: a tied head's packed copy is in both
             "Model %s loaded in %.1f s: weights take %.2f GiB%s (%s; %s) on %s%s",
             self.model_name,
             load_seconds,
-            self.worker.weights_bytes / 2**30,
+            (self.worker.weights_bytes + copy_bytes) / 2**30,
             f" on rank 0 of {self.executor.tp_size}" if self.executor.tp_size > 1 else "",
             ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in by_format if size),
             f"activations {str(self.worker.dtype).split('.')[-1]}",
             device,
-            (
-                f", plus {self.worker.packed_copy_bytes / 2**30:.2f} GiB for the tied lm_head's packed copy"
-                if self.worker.packed_copy_bytes
-                else ""
-            ),
+            f", the tied lm_head's packed copy ({copy_bytes / 2**30:.2f} GiB) included" if copy_bytes else "",
         )
         logger.info(
             "Available KV cache memory: %.2f GiB%s",
