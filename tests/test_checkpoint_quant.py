@@ -281,6 +281,29 @@ def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tm
         assert abs(planned[name] - formats[name]) <= 0.01 * formats[name], (planned, formats)
 
 
+def test_eval_weight_quant_checks_a_checkpoint_as_stored(tmp_path, capsys):
+    """`pagedllm eval weight-quant` on an AWQ folder: the checkpoint as served against the same
+    weights dequantized, one row named by its method (int8/int4 would be refused on it)."""
+    import argparse
+
+    from pagedllm.eval import weight_quant
+
+    save_tiny_model("qwen2-bias", tmp_path / "float")
+    folder = tmp_path / "quantized"
+    write_quantized_checkpoint(tmp_path / "float", folder, tmp_path / "dequantized", FORMATS[0])
+    parser = argparse.ArgumentParser()
+    weight_quant.add_arguments(parser)
+    args = parser.parse_args(
+        ["--model", str(folder), "--json", "--max-tokens", "4", "--dtype", "float32", "--max-model-len=512"]
+    )
+    weight_quant.main(args)
+    report = json.loads(capsys.readouterr().out)
+    (row,) = report["formats"]
+    assert row["quantization"] == "awq" and row["all_finite"]
+    if cpu_ops.serves_quant_linear(4, 32, 32):  # kept 4-bit (the float32 embedding is most bytes)
+        assert row["weights_ratio"] < 1 and abs(row["perplexity_relative_diff"]) < 0.1
+
+
 def test_quantization_flag_names_the_checkpoints_own_method():
     check_quantization("awq", is_gguf=False, checkpoint_method="awq")
     check_quantization(None, is_gguf=False, checkpoint_method="gptq")

@@ -2,8 +2,9 @@
 dequantized, before a user goes live with them.
 
 The reference is the model with every weight dequantized to --dtype (`--quantization none`): for a
-GGUF the file's own values, exactly. Against it, each format: a GGUF's own blocks as served (the
-default), a float checkpoint quantized at load with int8 and int4. Each runs the fixed texts and
+GGUF or a quantized checkpoint the file's own values, exactly. Against it, each format: a GGUF's
+own blocks or an AWQ / GPTQ / compressed-tensors checkpoint as served (the default for those), a
+float checkpoint quantized at load with int8 and int4. Each runs the fixed texts and
 prompts of eval/data/ (the same as `eval kv-quant`): perplexity teacher-forced through the paged
 path, greedy agreement over N tokens, the weights' resident bytes. One table, one row per format.
 """
@@ -20,6 +21,8 @@ from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_ar
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation, tokens_until_divergence
 from pagedllm.logger import configure_logging
+from pagedllm.model.checkpoint_quant import METHODS as CHECKPOINT_METHODS
+from pagedllm.model.checkpoint_quant import read_checkpoint_quantization
 from pagedllm.model.loader import locate_model
 from pagedllm.sampling_params import SamplingParams
 
@@ -80,14 +83,15 @@ def compare(base: WeightsRun, run: WeightsRun, max_tokens: int) -> dict:
 
 
 def formats_to_check(config: EngineConfig, asked: list[str] | None) -> list[str]:
-    """--formats as given; else a GGUF's own blocks (`gguf`), a float checkpoint's int8 and int4."""
+    """--formats as given; else the weights as stored (a GGUF's blocks: `gguf`; a quantized
+    checkpoint: its method), a float checkpoint's int8 and int4."""
     if asked:
         return asked
-    is_gguf = (
-        locate_model(config.model, revision=config.revision, download_dir=config.download_dir).suffix
-        == ".gguf"
-    )
-    return ["gguf"] if is_gguf else ["int8", "int4"]
+    path = locate_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    if path.suffix == ".gguf":
+        return ["gguf"]
+    checkpoint = read_checkpoint_quantization(path)
+    return [checkpoint.method] if checkpoint else ["int8", "int4"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,9 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--formats",
         nargs="+",
-        choices=["gguf", "int8", "int4"],
+        choices=["gguf", *CHECKPOINT_METHODS, "int8", "int4"],
         default=None,
-        help="the formats to check (default: a GGUF's own; int8 and int4 for a float checkpoint)",
+        help="the formats to check (default: a GGUF's or a quantized checkpoint's own; int8 and int4 "
+        "for a float checkpoint)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(parser)
