@@ -130,15 +130,16 @@ def main(args: argparse.Namespace) -> None:
 
 
 def format_report(base: WeightsRun, rows: list[dict], max_tokens: int, num_prompts: int) -> str:
+    width = max(10, *(len(row["quantization"]) + 2 for row in rows))  # compressed-tensors is long
     lines = [
-        f"{'weights':<10}{'perplexity':>12}{'vs none':>10}{'greedy same':>13}{'tokens to part':>16}"
+        f"{'weights':<{width}}{'perplexity':>12}{'vs none':>10}{'greedy same':>13}{'tokens to part':>16}"
         f"{'GiB':>8}{'finite':>8}",
-        f"{'none':<10}{base.perplexity:>12.4f}{'':>10}{'':>13}{'':>16}{base.weights_bytes / 2**30:>8.3f}"
-        f"{'yes' if base.all_finite else 'NO':>8}",
+        f"{'none':<{width}}{base.perplexity:>12.4f}{'':>10}{'':>13}{'':>16}"
+        f"{base.weights_bytes / 2**30:>8.3f}{'yes' if base.all_finite else 'NO':>8}",
     ]
     for row in rows:
         lines.append(
-            f"{row['quantization']:<10}{row['perplexity']:>12.4f}{row['perplexity_relative_diff']:>+10.2%}"
+            f"{row['quantization']:<{width}}{row['perplexity']:>12.4f}{row['perplexity_relative_diff']:>+10.2%}"
             f"{round(row['greedy_agreement'] * num_prompts):>9}/{num_prompts:<3}"
             f"{row['mean_tokens_until_divergence']:>16.1f}{row['weights_bytes'] / 2**30:>8.3f}"
             f"{'yes' if row['all_finite'] else 'NO':>8}"
