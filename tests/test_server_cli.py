@@ -211,6 +211,9 @@ def test_every_subcommand_is_listed_and_a_typo_is_an_error():
 
 @pytest.mark.slow
 def test_ctrl_c_during_the_model_load_exits_without_sigabrt():
+    """A Ctrl-C as the weights load: exit 130 without SIGABRT; where the load was faster than the
+    signal, the server drains and exits 0. Never served on: a Ctrl-C in the moment between the
+    engine built and the server serving was once lost, and this test waited forever."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm", "serve", "--port", "0", *server_engine_args()],
         stdout=subprocess.PIPE,
@@ -218,6 +221,8 @@ def test_ctrl_c_during_the_model_load_exits_without_sigabrt():
         text=True,
         preexec_fn=die_with_parent,
     )
+    watchdog = threading.Timer(120, proc.kill)  # reading stdout must not wait forever
+    watchdog.start()
     try:
         lines = []
         for line in proc.stdout:
@@ -228,12 +233,15 @@ def test_ctrl_c_during_the_model_load_exits_without_sigabrt():
         lines += proc.stdout.readlines()
         returncode = proc.wait(60)
     finally:
+        watchdog.cancel()
         proc.kill()
     log = "".join(lines)
     assert "terminate called" not in log
-    assert returncode in (130, -signal.SIGINT), log  # a shell shows either as 130
-    # Ctrl-C while building the engine, or (a fast load) during the drain.
-    assert "Interrupted while loading the model" in log or "Server stopped" in log, log
+    if "Server stopped" in log:  # the load finished first: the drain ran
+        assert returncode == 0, log
+    else:
+        assert returncode in (130, -signal.SIGINT), log  # a shell shows either as 130
+        assert "Interrupted while loading the model" in log, log
 
 
 def _cut_on(piece_number: int) -> io.StringIO:

@@ -62,8 +62,12 @@ class _Server(uvicorn.Server):
     instead of a 503 to retry elsewhere), and the process exits 0 (uvicorn itself re-raises the
     signal, exiting 130 or 143)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, url: str, settings: str) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncLLM, url: str, settings: str, early_signals: list[int]
+    ) -> None:
         super().__init__(config)
+        self.early_signals = early_signals
+        """Signals that came after the engine was built, before serving took them over."""
         self.engine = engine
         self.url = url
         self.settings = settings
@@ -117,6 +121,8 @@ class _Server(uvicorn.Server):
             yield
             return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in self.early_signals:
+            self.handle_exit(sig, None)
         try:
             yield
         finally:
@@ -190,6 +196,14 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {error}") from None
     except KeyboardInterrupt:
         _exit_now("Interrupted while loading the model; exiting", 130)
+    # Until serving takes the signals over, one is kept for it: the default handler would raise
+    # anywhere in the set-up below, and asyncio's (installed where the default is) cancels a task
+    # that uvicorn's start-up can swallow: a Ctrl-C lost, the server serving on.
+    early_signals: list[int] = []
+    handlers = {
+        sig: signal.signal(sig, lambda received, _frame: early_signals.append(received))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     tokenizer = AsyncTokenizer(
         load_tokenizer(engine.tokenizer_folder, config.chat_template),
         template_time_budget=server_config.chat_template_time_budget,
@@ -228,9 +242,11 @@ def run_server(args: argparse.Namespace) -> None:
         log_level=server_config.uvicorn_log_level,
         timeout_graceful_shutdown=server_config.graceful_shutdown_timeout,
     )
-    server = _Server(uvicorn_config, engine, url, _scheduler_settings(engine))
+    server = _Server(uvicorn_config, engine, url, _scheduler_settings(engine), early_signals)
     engine.set_fatal_callback(server.engine_failed)
     server.run(sockets=[sock])
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
     logger.info(
         "Server stopped: %d requests finished during the drain, %d cut",
         len(server.in_flight) - server.num_cut,
