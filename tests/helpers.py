@@ -82,6 +82,13 @@ def die_with_parent() -> None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def hears_ctrl_c() -> None:
+    """For a child a test sends SIGINT, before it execs: a shell starts a background job
+    (`make test &`) with SIGINT ignored, every child inherits that, and a Python started so installs
+    no KeyboardInterrupt: the Ctrl-C would go unheard and the test wait on a server serving on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class RemoteServer:
     """`python -m pagedllm.entrypoints.openai.api_server ARGS --port 0` in a subprocess; the
     URL is read from its log line, so no port is guessed."""
