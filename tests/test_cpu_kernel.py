@@ -154,6 +154,77 @@ def test_prefill_chunks_equal_causal_sdpa_over_the_gathered_context(cache_dtype,
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 16, 100])
+def test_a_sliding_window_equals_sdpa_with_the_window_mask(cache_dtype, head_dim, window):
+    """A sliding-window layer (Gemma 3's local layers): each query sees its last `window` keys,
+    its own included. Decodes, fresh prompts and chunks after a context, against the PyTorch path's
+    window mask; every token's output the same bits in one call, in two chunks and one by one."""
+    assert cpu_ops.is_built()
+    rows, contexts = [1, 7, 33, 16, 2, 1], [60, 0, 5, 40, 9, 3]
+    source_dtype = "float32" if cache_dtype == "bfloat16" else cache_dtype
+    query, k, v, tables, starts, seq_lens = _prefill_case(5, source_dtype, rows, contexts, head_dim)
+    if cache_dtype == "bfloat16":
+        query, k, v = query.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = cpu_ops.paged_attention(query, k, v, tables, starts, seq_lens, 0.25, window=window)
+    for i, (n, context) in enumerate(zip(rows, contexts, strict=True)):
+        span = PrefillSpan(0, n, context, tables[i], None)
+        rows_i = slice(int(starts[i]), int(starts[i + 1]))
+        if cache_dtype == "bfloat16":  # widened as read, summed in float32: the float32 path's result
+            wide = (query[rows_i].float(), None, None, k.float(), v.float())
+            expected, tolerance = prefill_gathered(*wide, span, 0.25, window), 2e-2
+        else:
+            expected = prefill_gathered(query[rows_i], None, None, k, v, span, 0.25, window)
+            tolerance = 2e-5
+        torch.testing.assert_close(got[rows_i].float(), expected, atol=tolerance, rtol=tolerance)
+    # request 2 (33 tokens after 5): whole, split at 20, one token alone
+    rows_2, table = query[starts[2] : starts[3]], tables[2:3]
+
+    def run(first: int, last: int) -> torch.Tensor:
+        return cpu_ops.paged_attention(
+            rows_2[first:last],
+            k,
+            v,
+            table,
+            torch.tensor([0, last - first]),
+            torch.tensor([5 + last]),
+            0.25,
+            window=window,
+        )
+
+    whole = run(0, 33)
+    assert torch.equal(whole, got[starts[2] : starts[3]])
+    assert torch.equal(torch.cat([run(0, 20), run(20, 33)]), whole)
+    assert torch.equal(run(30, 31), whole[30:31])
+
+
+@pytest.mark.parametrize("window", [3, 20, 1000])
+def test_decodes_sharing_a_prefix_keep_their_own_window(window):
+    """Shared prefix blocks read together (the decode tasks' grouping) while each request's window
+    starts at its own length: together equals each alone, and the PyTorch path's window mask."""
+    assert cpu_ops.is_built()
+    gen = torch.Generator().manual_seed(8)
+    num_kv_heads, group, head_dim, num_blocks, shared, block_size = 2, 3, 64, 200, 5, 4
+    k, v = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in "kv")
+    seq_lens = shared * block_size + torch.randint(1, 6 * block_size, (12,), generator=gen)
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    own = torch.randperm(num_blocks - shared, generator=gen)[: 12 * max_blocks].view(12, max_blocks) + shared
+    tables = torch.cat([torch.arange(shared).expand(12, shared), own[:, : max_blocks - shared]], dim=1)
+    query = torch.randn(12, num_kv_heads * group, head_dim, generator=gen)
+    starts = torch.arange(13)
+    together = cpu_ops.paged_attention(query, k, v, tables, starts, seq_lens, 0.125, window=window)
+    for i in range(12):
+        alone = cpu_ops.paged_attention(
+            query[i : i + 1], k, v, tables[i : i + 1], starts[:2], seq_lens[i : i + 1], 0.125, window=window
+        )
+        assert torch.equal(alone, together[i : i + 1])
+    mask = (torch.arange(max_blocks * block_size)[None, :] < seq_lens[:, None])[:, None, None, :]
+    batch = DecodeBatch(torch.arange(12), tables, seq_lens, mask)
+    expected = decode_gathered(query, k, v, batch, 0.125, window)
+    torch.testing.assert_close(together, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), cut=st.integers(1, 44), data=st.data())
 def test_a_tokens_output_is_the_same_however_the_step_is_split(cache_dtype, head_dim, seed, cut, data):

@@ -49,6 +49,8 @@ class Attention:
     num_kv_heads: int
     head_dim: int
     scale: float
+    window: int | None = None
+    """A sliding-window layer's keys per query, its own included; None: every earlier key."""
 
     def __call__(
         self, qkv: torch.Tensor, rope: CosSin, kv_cache: KVCache, metadata: AttentionMetadata
@@ -123,6 +125,7 @@ class CpuKernelBackend(AttentionBackend):
             kernel.seq_lens,
             layer.scale,
             self.prefetch_to_l2,
+            layer.window,
         )
 
 
@@ -143,7 +146,7 @@ class TorchBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         query, key, value = _rotate_split(layer, qkv, rope)
-        return paged_attention(query, key, value, *kv_cache, metadata, layer.scale)
+        return paged_attention(query, key, value, *kv_cache, metadata, layer.scale, layer.window)
 
 
 def _rotate_split(

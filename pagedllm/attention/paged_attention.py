@@ -10,6 +10,8 @@ path also uses for an 8-bit cache), then reads:
   and avoids expanding K/V for grouped-query attention.
 - prefills: one SDPA call per request chunk: causal over its own tokens, plus the
   context already in the cache (earlier chunks or prefix-cache hits) when there is one.
+- a sliding-window layer (`window`): each query sees its last `window` keys only, its own
+  included; the step's masks are narrowed for that layer.
 
 An 8-bit cache (kv_quant.py) is quantized on write and dequantized where blocks are gathered;
 its byte moves go through uint8 views, since not every device copies float8 by index.
@@ -58,6 +60,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim]."""
@@ -70,16 +73,23 @@ def paged_attention(
     output = torch.empty_like(query)
     for batch in metadata.decode_batches:
         output[batch.token_indices] = decode_gathered(
-            query[batch.token_indices], k_cache, v_cache, batch, scale
+            query[batch.token_indices], k_cache, v_cache, batch, scale, window
         )
     for span in metadata.prefills:
         rows = slice(span.token_start, span.token_end)
-        output[rows] = prefill_gathered(query[rows], key[rows], value[rows], k_cache, v_cache, span, scale)
+        output[rows] = prefill_gathered(
+            query[rows], key[rows], value[rows], k_cache, v_cache, span, scale, window
+        )
     return output
 
 
 def decode_gathered(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention in PyTorch ops, on any device: gather the blocks, then one SDPA call.
     query: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]."""
@@ -90,8 +100,12 @@ def decode_gathered(
     keys = read_blocks(k_cache, flat_blocks, query.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
     values = read_blocks(v_cache, flat_blocks, query.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    mask = batch.attend_mask
+    if window is not None:  # a query at position seq_len - 1 sees keys from seq_len - window on
+        key_positions = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (key_positions >= (batch.seq_lens - window).view(-1, 1, 1, 1))
     out = F.scaled_dot_product_attention(
-        grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.attend_mask, scale=scale
+        grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -104,13 +118,19 @@ def prefill_gathered(
     v_cache: torch.Tensor,
     span: PrefillSpan,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     num_kv_heads, head_dim = k_cache.shape[2], query.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, chunk, head_dim]
+    if window is not None:
+        mask = _window_mask(span.num_context_tokens, query.shape[0], window, query.dtype, query.device)
     if span.block_ids is None:
         k = key.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, chunk, head_dim]
         v = value.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if window is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         seq_len = span.num_context_tokens + query.shape[0]
         k = read_blocks(k_cache, span.block_ids, query.dtype).view(-1, num_kv_heads, head_dim)[:seq_len]
@@ -118,6 +138,16 @@ def prefill_gathered(
         k = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, seq_len, head_dim]
         v = v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=span.attend_mask, scale=scale, enable_gqa=True
+            q, k, v, attn_mask=span.attend_mask if window is None else mask, scale=scale, enable_gqa=True
         )
     return out.squeeze(0).transpose(0, 1)  # [chunk, num_heads, head_dim]
+
+
+def _window_mask(
+    num_context: int, chunk: int, window: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[chunk, num_context + chunk], additive: query position p sees keys p - window < k <= p."""
+    query_positions = torch.arange(num_context, num_context + chunk, device=device)[:, None]
+    key_positions = torch.arange(num_context + chunk, device=device)[None, :]
+    visible = (key_positions <= query_positions) & (key_positions > query_positions - window)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))

@@ -171,17 +171,18 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     prefetch_to_l2: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its request's cached keys (this step's K/V
-    already written). query: [num_tokens, num_heads, head_dim], each request's tokens
-    contiguous; block_tables: [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1] first token
-    of each request; seq_lens: [num_seqs] its keys, this step's included. Returns
-    [num_tokens, num_heads, head_dim] in the query's dtype (the kernel works in float32: 16-bit
-    queries are widened as read, the result rounded back once). prefetch_to_l2: the cache rows
-    are prefetched into L2 instead of L1 (attention/row_prefetch.py times which is faster); the
-    result is the same."""
+    already written), or over its last `window` keys, its own included (a sliding-window layer).
+    query: [num_tokens, num_heads, head_dim], each request's tokens contiguous; block_tables:
+    [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1] first token of each request;
+    seq_lens: [num_seqs] its keys, this step's included. Returns [num_tokens, num_heads,
+    head_dim] in the query's dtype (the kernel works in float32: 16-bit queries are widened as
+    read, the result rounded back once). prefetch_to_l2: the cache rows are prefetched into L2
+    instead of L1 (attention/row_prefetch.py times which is faster); the result is the same."""
     return torch.ops.pagedllm.paged_attention(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, prefetch_to_l2
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, prefetch_to_l2, window or 0
     )
 
 

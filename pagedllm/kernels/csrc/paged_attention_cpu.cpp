@@ -27,7 +27,9 @@
 // bfloat16, float16) or head_dim + 2 (int8 / fp8 values, then a float16 scale); block_tables
 // [num_seqs, max_blocks], query_start_loc [num_seqs + 1] (request s has tokens
 // query_start_loc[s] .. query_start_loc[s + 1]) and seq_lens [num_seqs] (its keys once this step's
-// are written), int64. Returns [num_tokens, num_heads, head_dim] in the query's dtype.
+// are written), int64; window (0: none) keeps each query to its last `window` keys, itself
+// included (a sliding-window layer: key positions p - window < k <= p, as Hugging Face masks).
+// Returns [num_tokens, num_heads, head_dim] in the query's dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -78,6 +80,7 @@ struct Attend {
   int64_t num_heads, num_kv_heads, head_dim, block_size, row_bytes, max_blocks;
   float scale;
   bool prefetch_to_l2;  // rows prefetched into L2 rather than L1 (attention_rows.h's prefetch_row)
+  int64_t window;  // keys a query attends, counting back from its own; 0: all
 
   // A run of keys that the same queries read from the same rows: one group of requests sharing
   // blocks (or one request alone) over consecutive block indices.
@@ -89,7 +92,7 @@ struct Attend {
   // one task's working memory, reused from task to task on a thread
   struct Work {
     std::vector<float> scores, accs, inv_sums, k_widened, v_widened, row_scales, query_floats;
-    std::vector<int64_t> lens, seqs, rows, heads, group_of, previous_group_of, run_starts, leaders, leader_blocks;
+    std::vector<int64_t> lens, firsts, seqs, rows, heads, group_of, previous_group_of, run_starts, leaders, leader_blocks;
     std::vector<const float*> queries, weights;
     std::vector<const uint16_t*> queries_bf16;  // BFloat16PairRow: the queries where they lie
     std::vector<uint16_t> weights_bf16;  // BFloat16PairRow: the softmax weights, rounded
@@ -103,12 +106,13 @@ struct Attend {
 
   void run(int64_t kv_head, const Part* parts, int64_t num_parts, Work& w) const {
     const int64_t group = num_heads / num_kv_heads;
-    w.lens.clear(), w.seqs.clear(), w.rows.clear(), w.heads.clear(), w.queries.clear(), w.queries_bf16.clear();
+    w.lens.clear(), w.firsts.clear(), w.seqs.clear(), w.rows.clear(), w.heads.clear(), w.queries.clear(), w.queries_bf16.clear();
     int64_t max_len = 0;
     for (int64_t p = 0; p < num_parts; ++p)
       for (int64_t r = 0; r < parts[p].num_rows; ++r)
         for (int64_t g = 0; g < group; ++g) {
           w.lens.push_back(parts[p].first_len + r);
+          w.firsts.push_back(window > 0 ? std::max<int64_t>(0, w.lens.back() - window) : 0);
           w.seqs.push_back(parts[p].seq);
           w.rows.push_back(parts[p].first_row + r);
           w.heads.push_back(kv_head * group + g);
@@ -147,8 +151,10 @@ struct Attend {
     } else {
       for (int64_t q = 0; q < num_queries; ++q) {
         float* s = w.scores.data() + q * stride;
-        w.inv_sums[q] = 1.f / softmax_numerators(s, w.lens[q]);
-        std::fill(s + w.lens[q], s + stride, 0.f);  // no weight past the query's own keys
+        const int64_t first = w.firsts[q];
+        w.inv_sums[q] = 1.f / softmax_numerators(s + first, w.lens[q] - first);
+        std::fill(s, s + first, 0.f);  // no weight before the query's window
+        std::fill(s + w.lens[q], s + stride, 0.f);  // nor past its own keys
       }
     }
     for (const Segment& seg : w.segments) {  // in key order: each query's sum continues in order
@@ -168,8 +174,8 @@ struct Attend {
     }
   }
 
-  // Cuts the task's keys into segments: at each block index, the queries whose requests hold the
-  // same physical block there form a group; consecutive block indices with the same groups make
+  // Cuts the task's keys into segments: at each block index, the queries that attend keys there
+  // and whose requests hold the same physical block there form a group; consecutive block indices with the same groups make
   // one segment per group. A request's queries are adjacent (a run, with non-decreasing lengths),
   // so requests are compared, not queries.
   void segment(int64_t max_len, Work& w) const {
@@ -191,7 +197,9 @@ struct Attend {
         int64_t first = w.run_starts[i];
         const int64_t run_end = w.run_starts[i + 1];
         while (first < run_end && w.lens[first] <= begin) ++first;
-        if (first == run_end) continue;
+        int64_t last = run_end;  // queries whose window starts past this block drop out
+        while (last > first && w.firsts[last - 1] >= begin + block_size) --last;
+        if (first == last) continue;
         const int64_t block = block_tables[w.seqs[first] * max_blocks + b];
         const auto index = std::find(w.leader_blocks.begin(), w.leader_blocks.end(), block) - w.leader_blocks.begin();
         if (index == static_cast<int64_t>(w.leader_blocks.size())) {
@@ -199,7 +207,7 @@ struct Attend {
           w.leaders.push_back(first);
         }
         const int64_t leader = w.leaders[index];
-        for (int64_t r = first; r < run_end; ++r) w.group_of[r] = leader;
+        for (int64_t r = first; r < last; ++r) w.group_of[r] = leader;
       }
       if (b > 0 && w.group_of == w.previous_group_of) {  // same groups: their segments grow
         for (size_t i = open_from; i < w.segments.size(); ++i)
@@ -219,15 +227,17 @@ struct Attend {
   }
 
   // BFloat16PairRow: each query's softmax numerators, 16 at a time, rounded to bfloat16 (nearest
-  // even) for weighted_sum_bf16, zero past its keys; 1 / their sum in inv_sums (NaN, with zero
+  // even) for weighted_sum_bf16, zero outside its window; 1 / their sum in inv_sums (NaN, with zero
   // weights, when a score is NaN or infinite, as SDPA gives it).
   static void softmax_to_bf16(int64_t num_queries, int64_t stride, Work& w) {
     using V = FloatVec16;
     w.weights_bf16.resize(num_queries * stride);
     for (int64_t q = 0; q < num_queries; ++q) {
-      const float* x = w.scores.data() + q * stride;
-      uint16_t* out = w.weights_bf16.data() + q * stride;
-      const int64_t len = w.lens[q];
+      const int64_t first = w.firsts[q], len = w.lens[q] - first;
+      const float* x = w.scores.data() + q * stride + first;
+      uint16_t* const row = w.weights_bf16.data() + q * stride;
+      std::fill(row, row + first, uint16_t{0});
+      uint16_t* out = row + first;
       V max16 = V::broadcast(x[0]), check = V::zero();  // x - x: 0 when finite
       for (int64_t t = 0; t < len; t += 16) {
         const V v = V::load_first(x + t, len - t, max16);
@@ -235,7 +245,7 @@ struct Attend {
         check = V::add(check, V::sub(v, v));
       }
       if (!(check.reduce_add() == 0.f)) {
-        std::fill(out, out + stride, uint16_t{0});
+        std::fill(out, row + stride, uint16_t{0});
         w.inv_sums[q] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
@@ -247,7 +257,7 @@ struct Attend {
         sum = V::add(sum, e);
         Row::Pairs::store_rounded(out + t, e);
       }
-      std::fill(out + t, out + stride, uint16_t{0});
+      std::fill(out + t, row + stride, uint16_t{0});
       w.inv_sums[q] = 1.f / sum.reduce_add();
     }
   }
@@ -300,7 +310,7 @@ struct Attend {
           prefetch_row(rows[i], Row::bytes(head_dim), prefetch_to_l2);
       const FloatVec8 scales = FloatVec8::load(w.row_scales.data() + t);
       for (int64_t q : ids) {
-        if (begin + t >= w.lens[q]) continue;  // keys past this query's own
+        if (begin + t >= w.lens[q] || begin + t + kLanes <= w.firsts[q]) continue;  // outside its window
         const FloatVec8 dots = widened ? dot8_wide(w.queries[q], reinterpret_cast<const float* const*>(rows + t), head_dim)
                                        : dot8<Row>(w.queries[q], rows + t, head_dim);
         FloatVec8::mul(dots, scales).store(w.scores.data() + q * stride + begin + t);
@@ -321,7 +331,7 @@ struct Attend {
       w.query_pairs.clear();
       w.active.clear();
       for (int64_t q : ids)
-        if (begin + t < w.lens[q]) {  // keys past a query's own are skipped
+        if (begin + t < w.lens[q] && begin + t + 16 > w.firsts[q]) {  // keys outside its window are skipped
           w.active.push_back(q);
           w.query_pairs.push_back(reinterpret_cast<const uint32_t*>(w.queries_bf16[q]));
         }
@@ -405,7 +415,7 @@ using PairRowWhereBuilt = std::conditional_t<kHasAvx512Bf16, BFloat16PairRow, Un
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, bool prefetch_to_l2) {
+                           const at::Tensor& seq_lens, double scale, bool prefetch_to_l2, int64_t window) {
   const auto query_type = query.scalar_type();
   TORCH_CHECK((query_type == at::kFloat || query_type == at::kBFloat16 || query_type == at::kHalf) && query.dim() == 3,
               "query: [num_tokens, num_heads, head_dim] float32, bfloat16 or float16");
@@ -414,6 +424,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong,
               "block_tables, query_start_loc and seq_lens: int64");
+  TORCH_CHECK(window >= 0, "window: 0 (none) or the keys a query attends");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.scalar_type() == k_cache.scalar_type(),
               "k_cache and v_cache: [num_blocks, block_size, num_kv_heads, row] of one dtype");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -494,7 +505,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
                                    row_bytes,
                                    tables.size(1),
                                    static_cast<float>(scale),
-                                   prefetch_to_l2};
+                                   prefetch_to_l2,
+                                   window};
     attend<Row>(attend_tasks, parts, task_starts);
   };
   switch (cache_type) {
@@ -516,6 +528,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, bool prefetch_to_l2=False) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, bool prefetch_to_l2=False, int window=0) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
