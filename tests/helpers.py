@@ -291,7 +291,7 @@ TINY = {
 
 
 def tiny_architectures():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     llama3 = {
         "rope_type": "llama3",
@@ -312,6 +312,30 @@ def tiny_architectures():
         "mistral": MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
         # head_dim 32, not hidden / heads = 16, as Qwen3-0.6B's 128 is not 1024 / 16
         "qwen3-head-dim": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+        # a window of 8 keys on two of three layers, so a 40-token run slides; a linear-scaled
+        # global rope; scores scaled by 24 ** -0.5, not head_dim 32 ** -0.5
+        "gemma3-window": Gemma3TextConfig(
+            **(TINY | {"num_hidden_layers": 3}),
+            head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
+        # what a Gemma 3 GGUF can say: one global layer in 6, scores scaled by head_dim ** -0.5
+        "gemma3-gguf": Gemma3TextConfig(
+            **(TINY | {"num_hidden_layers": 6}),
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=32,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
     }
 
 
@@ -347,18 +371,25 @@ GGUF_LAYER_NAMES = {
 }
 
 
+GEMMA3_GGUF_LAYER_NAMES = GGUF_LAYER_NAMES | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
 def write_tiny_gguf(model, path, types: dict | None = None) -> None:
-    """A transformers Llama or Qwen3 `model` as llama.cpp lays out its GGUF, with the default
-    model's tokenizer metadata. `types`: GGML type by GGUF tensor kind (token_embd, attn_q,
+    """A transformers Llama, Qwen3 or Gemma 3 `model` as llama.cpp lays out its GGUF, with the
+    default model's tokenizer metadata. `types`: GGML type by GGUF tensor kind (token_embd, attn_q,
     attn_v, ffn_down, ...; F32 where none is named), quantized with the `gguf` package; norms
-    F32. Llama's Q/K rows are permuted as llama.cpp's converter does (qwen3's rotary is NEOX:
-    none)."""
+    F32 (Gemma's stored as 1 + weight, as llama.cpp's converter does). Llama's Q/K rows are
+    permuted as llama.cpp's converter does (Qwen3's and Gemma's rotary is NEOX: none)."""
     import gguf
     import numpy as np
 
     types = types or {}
     config = model.config
-    arch = {"llama": "llama", "qwen3": "qwen3"}[config.model_type]
+    arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -370,8 +401,15 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "gemma3":
+        rope = config.rope_parameters["full_attention"]
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    else:
+        rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
     for key, field in gguf.GGUFReader(str(default_model_path())).fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -380,7 +418,7 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     if not config.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for i in range(config.num_hidden_layers):
-        for hf, ours in GGUF_LAYER_NAMES.items():
+        for hf, ours in (GEMMA3_GGUF_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES).items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
     state = model.state_dict()
     names = {hf: name for hf, name in names.items() if hf in state}  # q_norm, k_norm: Qwen3's only
@@ -388,6 +426,8 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     for hf, gguf_name in names.items():
         tensor = state[hf].float().numpy()
         kind = gguf_name.split(".")[-2]
+        if arch == "gemma3" and kind.endswith("norm"):
+            tensor = tensor + 1.0
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
             shape = tensor.shape

@@ -1,6 +1,7 @@
 """Model loading: GGUF conversion equals transformers' own GGUF reader; the Llama family
 (Llama 3 rope scaling, untied embeddings, Qwen2 biases, Mistral) and Qwen3 (per-head q/k norms,
-head_dim apart from hidden / heads) match transformers; a Qwen3 GGUF loads as its HF folder."""
+head_dim apart from hidden / heads) and Gemma 3 (sliding windows, two rope bases, 1 + weight
+norms) match transformers; Qwen3 and Gemma 3 GGUFs load as their HF folders."""
 
 from __future__ import annotations
 
@@ -95,13 +96,16 @@ def test_startup_report_says_what_vllm_users_grep_for():
 
 
 @pytest.mark.parametrize(
-    "name", ["llama3-rope-untied", "llama-linear-rope", "qwen2-bias", "mistral", "qwen3-head-dim"]
+    "name",
+    ["llama3-rope-untied", "llama-linear-rope", "qwen2-bias", "mistral", "qwen3-head-dim", "gemma3-window"],
 )
 def test_architecture_matches_transformers(name, tmp_path, reference):
     model = save_tiny_model(name, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"][0] == type(model).__name__
     assert saved["architectures"][0] in SUPPORTED_ARCHITECTURES
+    # the planner's count from the shapes alone (`pagedllm plan`), against the model's own
+    assert ModelConfig.from_folder(tmp_path).num_parameters() == sum(p.numel() for p in model.parameters())
 
     ids = reference.tokenizer(
         "A short prompt to check the whole forward pass, position by position."
@@ -141,19 +145,29 @@ def test_architecture_matches_transformers(name, tmp_path, reference):
         )
 
 
-def test_qwen3_gguf_loads_as_its_hf_folder(tmp_path, monkeypatch):
-    model = save_tiny_model("qwen3-head-dim", tmp_path / "hf")
+@pytest.mark.parametrize(
+    ("name", "architecture"), [("qwen3-head-dim", "Qwen3ForCausalLM"), ("gemma3-gguf", "Gemma3ForCausalLM")]
+)
+def test_a_gguf_loads_as_its_hf_folder(name, architecture, tmp_path, monkeypatch):
+    """Qwen3 (head_dim apart from hidden / heads) and Gemma 3 (norms stored as 1 + weight, two
+    rope bases, sliding layers that the file leaves to llama.cpp's rule): the same weights, the
+    same config, the same tokens as the HF folder the GGUF was written from."""
+    model = save_tiny_model(name, tmp_path / "hf")
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))  # after the tokenizer's copy
-    write_tiny_gguf(model, tmp_path / "tiny-qwen3.gguf")  # F32, as llama.cpp lays it out
-    folder = converted_folder(tmp_path / "tiny-qwen3.gguf")
+    write_tiny_gguf(model, tmp_path / "tiny.gguf")  # F32, as llama.cpp lays it out
+    folder = converted_folder(tmp_path / "tiny.gguf")
 
-    ours = dict(iter_gguf_weights(tmp_path / "tiny-qwen3.gguf", ModelConfig.from_folder(folder)))
+    ours = dict(iter_gguf_weights(tmp_path / "tiny.gguf", ModelConfig.from_folder(folder)))
     theirs = {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}
     assert set(ours) == set(theirs)
-    for name, tensor in ours.items():
-        assert torch.equal(tensor, theirs[name]), name
+    for tensor_name, tensor in ours.items():
+        if architecture == "Gemma3ForCausalLM" and tensor_name.endswith("norm.weight"):
+            # the file holds 1 + weight, rounded: the factor each side computes with is the same
+            assert torch.equal(tensor + 1, theirs[tensor_name] + 1), tensor_name
+        else:
+            assert torch.equal(tensor, theirs[tensor_name]), tensor_name
     from_gguf, from_hf = ModelConfig.from_folder(folder), ModelConfig.from_folder(tmp_path / "hf")
-    assert from_gguf.architecture == "Qwen3ForCausalLM" and from_gguf.head_dim == 32
+    assert from_gguf.architecture == architecture and from_gguf.head_dim == 32
     assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)  # GGUF's is a float32
     # and a GGUF names no dtype
     assert from_gguf == dataclasses.replace(from_hf, torch_dtype=None, rms_norm_eps=from_gguf.rms_norm_eps)
@@ -165,7 +179,7 @@ def test_qwen3_gguf_loads_as_its_hf_folder(tmp_path, monkeypatch):
         .generate(prompt, params, use_tqdm=False)[0]
         .outputs[0]
         .token_ids
-        for path in (tmp_path / "tiny-qwen3.gguf", tmp_path / "hf")
+        for path in (tmp_path / "tiny.gguf", tmp_path / "hf")
     ]
     assert tokens[0] == tokens[1]
 

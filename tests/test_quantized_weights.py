@@ -19,7 +19,7 @@ from pagedllm.model.gguf_weights import read_tensor
 from pagedllm.model.loader import check_quantization, default_model_path
 from pagedllm.planner import gguf_weights_by_format
 
-from .helpers import TEST_ENGINE_ARGS, TINY, save_tiny_model, write_tiny_gguf
+from .helpers import TEST_ENGINE_ARGS, TINY, save_tiny_model, tiny_architectures, write_tiny_gguf
 
 KIND = gguf.GGMLQuantizationType
 
@@ -259,13 +259,16 @@ MIXED_TYPES = {
 }
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gemma3-gguf"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["integer-kernel", "dequantized"])
-def test_gguf_with_float_parts_in_fused_projections_matches_it_dequantized(kernel, tmp_path, monkeypatch):
+def test_gguf_with_float_parts_in_fused_projections_matches_it_dequantized(
+    kernel, architecture, tmp_path, monkeypatch
+):
     """A GGUF whose qkv and gate_up mix quantized and float parts, served with its quantized
     weights kept, against the whole file dequantized (--quantization none): with no integer
     kernel (every weight dequantized at load) the same logprobs and greedy tokens; with it
     (activations rounded to 8 bits per block, which moves this random model's greedy tokens
-    after a few steps) close logprobs."""
+    after a few steps) close logprobs. Llama, and Gemma 3 (sliding layers, its own norms)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if kernel and not cpu_ops.serves_quant_linear(4, 32, 32):
@@ -274,8 +277,9 @@ def test_gguf_with_float_parts_in_fused_projections_matches_it_dequantized(kerne
         monkeypatch.setattr(cpu_ops, "serves_quant_linear", lambda *args: False)
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(0)
+    config = LlamaConfig(**TINY, tie_word_embeddings=True) if architecture == "llama" else None
     model = AutoModelForCausalLM.from_config(
-        LlamaConfig(**TINY, tie_word_embeddings=True), dtype=torch.float32
+        config or tiny_architectures()[architecture], dtype=torch.float32
     )
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(model, path, MIXED_TYPES)

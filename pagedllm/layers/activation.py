@@ -1,4 +1,5 @@
-"""SiLU-and-multiply, the gated MLP's activation, on a fused gate_up projection."""
+"""The gated MLP's activations on a fused gate_up projection: SiLU-and-multiply (Llama, Qwen),
+GELU-and-multiply (Gemma)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,18 @@ class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]."""
         return self.impl(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: GELU (tanh approximation, transformers' gelu_pytorch_tanh) of the gate
+    times up, in Hugging Face's ops."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """PyTorch ops on every device: no C++ pass for it yet."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]."""
+        return gelu_tanh_and_mul(gate_up)

@@ -1,4 +1,4 @@
-"""ModelConfig: the shape of a Llama-family model, read from a Hugging Face config.json.
+"""ModelConfig: the shape of a Llama-family or Gemma 3 model, read from a Hugging Face config.json.
 
 Names are Hugging Face's, so a config and its weights map one to one. GGUF metadata is
 translated into this same form (see gguf_convert.py), so there is one reader.
@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -42,6 +43,13 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_freq_factors: tuple[float, ...] | None = None
     """Llama 3.1+ GGUFs carry rope scaling as per-frequency divisors instead of parameters."""
+    layer_windows: tuple[int | None, ...] | None = None
+    """Per layer, the sliding window its attention keeps to (None: every key), where the model's
+    layers apply it (Gemma 3: five local layers to one global); None where they do not."""
+    local_rope_theta: float | None = None
+    """The rope base of the sliding-window layers where it is their own (Gemma 3), unscaled."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma: attention scores scaled by this ** -0.5 instead of head_dim ** -0.5."""
 
     @classmethod
     def from_dict(
@@ -56,6 +64,9 @@ class ModelConfig:
             )
         num_heads = config["num_attention_heads"]
         rope_scaling, rope_theta = _rope_settings(config)
+        gemma = _gemma3_settings(config) if arch == "Gemma3ForCausalLM" else {}
+        if gemma:
+            rope_scaling, rope_theta = gemma.pop("rope_scaling"), gemma.pop("rope_theta")
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -69,13 +80,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            tie_word_embeddings=config.get("tie_word_embeddings", arch == "Gemma3ForCausalLM"),
             attention_bias=config.get("attention_bias", arch == "Qwen2ForCausalLM"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_eos_ids(config, generation_config or {}),
             sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
             rope_freq_factors=tuple(config["rope_freq_factors"]) if "rope_freq_factors" in config else None,
+            **gemma,
         )
 
     @classmethod
@@ -102,7 +114,10 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        norms = 2 * h + (2 * self.head_dim if self.architecture == "Qwen3ForCausalLM" else 0)  # q/k_norm
+        norms = {
+            "Qwen3ForCausalLM": 2 * h + 2 * self.head_dim,
+            "Gemma3ForCausalLM": 4 * h + 2 * self.head_dim,
+        }.get(self.architecture, 2 * h)  # 2 or 4 per layer, plus q/k_norm
         per_layer = (attn + 3 * h * i) // tp_size + norms
         head_rows = self.vocab_size // tp_size if self.vocab_size % tp_size == 0 else self.vocab_size
         embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
@@ -133,13 +148,14 @@ class ModelConfig:
 
     def resolve_max_model_len(self, requested: int | None) -> int:
         """The context the engine serves: `requested` or the model's, capped at a sliding window
-        (attention past the window is not implemented). ValueError over the model's context."""
+        the layers do not apply (Mistral's, Qwen2's). ValueError over the model's context."""
         model_max = self.max_position_embeddings
         if requested is not None and requested > model_max:
             raise ValueError(
                 f"max_model_len: {requested:,} is over the model's context of {model_max:,} tokens"
             )
-        return min(requested or model_max, self.sliding_window or model_max)
+        unapplied_window = self.sliding_window if self.layer_windows is None else None
+        return min(requested or model_max, unapplied_window or model_max)
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:
@@ -150,8 +166,47 @@ def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float
     theta = config.get("rope_theta") or params.get("rope_theta") or 10000.0
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        rest = {key: value for key, value in scaling.items() if key not in ("rope_theta", "type")}
+        scaling = None if kind == "default" else {**rest, "rope_type": kind}
     return scaling, float(theta)
+
+
+def _gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own fields: which layers slide (`layer_types`, or older configs' one global layer in
+    `sliding_window_pattern`), the two rope bases (transformers 5 keeps them per layer type in
+    `rope_parameters`; older configs in `rope_theta`, `rope_local_base_freq`, `rope_scaling`)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(name) is not None:
+            raise ValueError(f"{name} is not supported (Gemma 3 has none; this config sets {config[name]})")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: an embedding model, not a decoder pagedllm serves")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {activation!r} is not supported (Gemma 3's: gelu_pytorch_tanh)")
+    num_layers = config["num_hidden_layers"]
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+    layer_types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+    window = config.get("sliding_window")
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params:
+        scaling, theta = _rope_settings({"rope_parameters": params["full_attention"]})
+        local_scaling, local_theta = _rope_settings(
+            {"rope_parameters": params.get("sliding_attention") or {}}
+        )
+        if local_scaling is not None:
+            raise ValueError(f"rope scaling on the sliding-window layers is not supported: {local_scaling}")
+    else:
+        scaling, theta = _rope_settings(config)
+        local_theta = float(config.get("rope_local_base_freq", 10000.0))
+    return {
+        "rope_scaling": scaling,
+        "rope_theta": theta,
+        "layer_windows": tuple(window if kind == "sliding_attention" else None for kind in layer_types),
+        "local_rope_theta": local_theta,
+        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", 256)),
+    }
 
 
 def _eos_ids(config: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:

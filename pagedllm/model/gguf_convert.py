@@ -23,7 +23,12 @@ CONVERTER_VERSION = "2"
 GGUF_SOURCE = "gguf_source.txt"
 """In a converted folder: the path of the GGUF whose weights it stands for."""
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -36,7 +41,11 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # Gemma 3
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GEMMA3_LAYER_TENSORS = _LAYER_TENSORS | {"ffn_norm": "pre_feedforward_layernorm"}
+"""Gemma 3's ffn_norm is the MLP's input norm; its post_attention_norm the attention output's."""
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -158,18 +167,45 @@ def _hf_config(md: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]:
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(md[p + "rope.scaling.factor"])}
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    if arch == "gemma3":
+        config |= _gemma3_config(md, config)
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1+: per-frequency divisors
             config["rope_freq_factors"] = [float(x) for x in np.asarray(tensor.data, dtype=np.float32)]
     return config
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def _gemma3_config(md: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 3's file leaves to llama.cpp's code: one global layer in 6 (unless the file lists
+    the sliding layers), a local rope base of 10,000, scores scaled by head_dim ** -0.5 except on
+    the 27B (62 layers: hidden / heads)."""
+    p = "gemma3."
+    pattern = md.get(p + "attention.sliding_window_pattern", 6)
+    layers = config["num_hidden_layers"]
+    if isinstance(pattern, list):  # per layer: True where it slides
+        layer_types = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+    else:
+        layer_types = [
+            "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(layers)
+        ]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    return {
+        "sliding_window": int(md[p + "attention.sliding_window"]),
+        "layer_types": layer_types,
+        "rope_local_base_freq": float(md.get(p + "rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def hf_tensor_name(gguf_name: str, architecture: str) -> str:
+    """A GGUF tensor's Hugging Face name in a model of `architecture` (config.json's)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _GEMMA3_LAYER_TENSORS if architecture == "Gemma3ForCausalLM" else _LAYER_TENSORS
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 

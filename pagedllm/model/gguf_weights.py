@@ -129,8 +129,14 @@ def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[st
     for tensor in read_tensor_directory(gguf_path):
         if tensor.name == "rope_freqs.weight":
             continue  # folded into config.json (rope_freq_factors)
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config.architecture)
         weight = read_tensor(tensor)
+        if (
+            config.architecture == "Gemma3ForCausalLM"
+            and isinstance(weight, torch.Tensor)
+            and name.endswith("norm.weight")
+        ):
+            weight = weight - 1.0  # llama.cpp stores Gemma's norms as 1 + weight, the checkpoint's weight
         if config.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             order = torch.from_numpy(unpermute_rotary_rows(np.arange(weight.shape[0]), heads))

@@ -65,7 +65,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         sizes = [config.intermediate_size] * 2
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, sizes, False, tp)
-        self.act_fn = SiluAndMul()
+        self.act_fn: nn.Module = SiluAndMul()
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,11 @@ from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.linear import Linear, Loaded, copy_weight
 from pagedllm.layers.lm_head import ParallelLMHead
 from pagedllm.layers.quantization import BlockQuantized, quantize
+from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model.checkpoint_quant import METHODS as CHECKPOINT_METHODS
 from pagedllm.model.checkpoint_quant import iter_checkpoint_weights, read_checkpoint_quantization
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.gemma3 import Gemma3ForCausalLM
 from pagedllm.model.gguf_convert import converted_folder, gguf_source
 from pagedllm.model.hub import hub_model_path, is_hub_model
 from pagedllm.model.llama import LlamaForCausalLM
@@ -37,6 +39,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 """config.json's architecture -> the model that runs it (model/config.py lists the same names)."""
 
@@ -153,7 +156,9 @@ def load_model(
         model = MODEL_CLASSES[config.architecture](config, max_position, tp).to(dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
-    model.rotary.compute_cache()  # buffers are computed, not loaded
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.compute_cache()  # buffers are computed, not loaded
     load_weights(model, weights)
     apply_quantization(model, quantization, dtype)
     return model.eval().requires_grad_(False)

@@ -23,13 +23,16 @@ __all__ = ["Qwen3ForCausalLM"]
 
 
 class Qwen3Attention(LlamaAttention):
+    head_norm_class: type[RMSNorm] = RMSNorm
+    """The per-head norms' kind (Gemma 3's scale by 1 + weight: model/gemma3.py)."""
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         super().__init__(config, tp)
         tp_size = tp.world_size if tp is not None else 1
         self.kv_size = config.kv_size // tp_size
         self.head_dim = config.head_dim
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = self.head_norm_class(config.head_dim, config.rms_norm_eps)
+        self.k_norm = self.head_norm_class(config.head_dim, config.rms_norm_eps)
 
     def forward(
         self, rope: CosSin, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
