@@ -17,7 +17,11 @@ default KV caches small), no Llama-3 rope scaling (`rope_freqs.weight`), which c
 
 Tensor names and metadata keys are the ones llama.cpp's converter writes. Llama's Q/K rows are in
 llama.cpp's permuted (interleaved-pair) order by definition here: for random weights there is no
-Hugging Face order to permute from. Qwen3 is arch `qwen3` with per-head `attn_q_norm`/`attn_k_norm`.
+Hugging Face order to permute from. Qwen3 is arch `qwen3` with per-head `attn_q_norm`/`attn_k_norm`;
+Gemma 3 arch `gemma3` with those and `post_attention_norm`/`post_ffw_norm` (norms of 1 as stored:
+a factor of 1 in both engines). A gemma3 file with SmolLM2's BPE vocabulary tokenizes correctly in
+llama.cpp only (transformers, and so pagedllm, convert a gemma3 file's tokenizer as Gemma's
+SentencePiece one): time it with token ids (`llama-bench`, offline `prompt_token_ids`).
 
 Types: F16, Q8_0 and Q4_0 are written here with the `gguf` package (every 2-D weight, embedding
 included, in that type; norms F32), tensor by tensor so memory stays under ~1 GiB; Q8_0 and Q4_0
@@ -57,6 +61,7 @@ class Shape:
     rope_theta: float
     rms_norm_eps: float
     has_qk_norm: bool = False
+    sliding_window: int | None = None  # Gemma 3: its local layers' window (one global layer in 6)
 
 
 SHAPES = {
@@ -68,6 +73,10 @@ SHAPES = {
     "llama-3b": Shape("llama", 3072, 28, 24, 8, 128, 8192, 500000.0, 1e-5),
     # meta-llama/Llama-3.1-8B's layers (its own head is untied; tied here, with the small vocabulary)
     "llama-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 500000.0, 1e-5),
+    # google/gemma-3-1b-it (tied embeddings; q/k norms, norms after attention and MLP, 512-key windows)
+    "gemma3-1b": Shape(
+        "gemma3", 1152, 26, 4, 1, 256, 6912, 1000000.0, 1e-6, has_qk_norm=True, sliding_window=512
+    ),
 }
 
 Q = gguf.GGMLQuantizationType
@@ -113,12 +122,16 @@ def tensor_plan(shape: Shape, vocab_size: int) -> list[tuple[str, tuple[int, ...
                 (b + "attn_q_norm.weight", (shape.head_dim,)),
                 (b + "attn_k_norm.weight", (shape.head_dim,)),
             ]
+        if shape.sliding_window is not None:  # Gemma 3's norm of the attention's output
+            plan += [(b + "post_attention_norm.weight", (h,))]
         plan += [
             (b + "ffn_norm.weight", (h,)),
             (b + "ffn_gate.weight", (shape.intermediate_size, h)),
             (b + "ffn_up.weight", (shape.intermediate_size, h)),
             (b + "ffn_down.weight", (h, shape.intermediate_size)),
         ]
+        if shape.sliding_window is not None:  # and of the MLP's
+            plan += [(b + "post_ffw_norm.weight", (h,))]
     return plan  # no output.weight: embeddings are tied
 
 
@@ -147,6 +160,8 @@ def add_metadata(
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    if shape.sliding_window is not None:
+        writer.add_sliding_window(shape.sliding_window)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, field in source.fields.items():

@@ -211,7 +211,7 @@ def add_rms_norm(
 
 
 def serves_layer_ops(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether add_rms_norm and silu_and_mul serve a model of this dtype (float32, bfloat16 or
+    """Whether add_rms_norm and the act-and-mul passes serve a model of this dtype (float32, bfloat16 or
     float16) on this device (CPU)."""
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and is_built()
 
@@ -220,6 +220,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from a fused [num_tokens, 2 * intermediate] projection, in one pass, for a
     model on CPU (where serves_layer_ops); within a rounding or so of Hugging Face's two ops."""
     return torch.ops.pagedllm.silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up from a fused [num_tokens, 2 * intermediate] projection
+    (Gemma's MLP), in one pass, where serves_layer_ops; within a rounding or so of PyTorch's ops."""
+    return torch.ops.pagedllm.gelu_tanh_and_mul(gate_up)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

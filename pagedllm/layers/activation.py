@@ -1,5 +1,5 @@
 """The gated MLP's activations on a fused gate_up projection: SiLU-and-multiply (Llama, Qwen),
-GELU-and-multiply (Gemma)."""
+GELU-and-multiply (Gemma); a C++ pass each on CPU."""
 
 from __future__ import annotations
 
@@ -41,8 +41,15 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class GeluTanhAndMul(nn.Module):
-    """PyTorch ops on every device: no C++ pass for it yet."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
+
+    def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
+        """On CPU, one C++ pass instead of three ops (within a rounding or so of them)."""
+        if cpu_ops.serves_layer_ops(device, dtype):
+            self.impl = cpu_ops.gelu_tanh_and_mul
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]."""
-        return gelu_tanh_and_mul(gate_up)
+        return self.impl(gate_up)

@@ -15,8 +15,9 @@
 // x, residual: [num_tokens, hidden] (residual may be empty: the first norm); weight: [hidden].
 // Returns (normed, x + residual) in x's dtype.
 //
-// silu_and_mul: the MLP's act(gate) * up from the fused gate_up projection, one pass instead of a
-// split, a SiLU and a multiply (three passes over [num_tokens, 2 x intermediate]).
+// silu_and_mul, gelu_tanh_and_mul: the MLP's act(gate) * up from the fused gate_up projection, one
+// pass instead of a split, the activation and a multiply (three passes over [num_tokens, 2 x
+// intermediate]).
 //
 // rotary_write_kv: below.
 
@@ -167,29 +168,50 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   return q;
 }
 
-// silu(gate) * up as Hugging Face's LlamaMLP computes it in the model dtype: SiLU in float32
-// (x * sigmoid(x), sigmoid from exp(-|x|) so the exponent is never positive), rounded to the
-// dtype, times up in float32, rounded. gate_up: [num_tokens, 2 * intermediate], gate first.
-template <typename T>
-void silu_and_mul_rows(const T* gate_up, T* out, int64_t num_rows, int64_t intermediate) {
+// sigmoid(z) from exp(-|z|), so the exponent is never positive
+inline float sigmoid(float z) {
+  const float e = pagedllm_cpu::exp_nonpositive(-std::fabs(z));
+  return (z >= 0.f ? 1.f : e) / (1.f + e);
+}
+
+// SiLU: x * sigmoid(x). Below -87 exp(-x) overflows in float32 and PyTorch's x / (1 + exp(-x)) is
+// -0 (NaN at -inf).
+struct Silu {
+  static float apply(float x) { return x * (x < -87.f ? 0.f : sigmoid(x)); }
+};
+
+// GELU, tanh approximation (PyTorch's approximate="tanh", Gemma's gelu_pytorch_tanh):
+// 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x * sigmoid(2u), the
+// same number within a rounding or so. Past |x| = 10 the result is x or 0, as PyTorch's.
+struct GeluTanh {
+  static float apply(float x) {
+    if (x > 10.f) return x;
+    if (x < -10.f) return 0.f * x;
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x * sigmoid(2.f * u);
+  }
+};
+
+// act(gate) * up as Hugging Face's gated MLPs compute it in the model dtype: the activation in
+// float32, rounded to the dtype, times up in float32, rounded. gate_up: [num_tokens, 2 *
+// intermediate], gate first.
+template <typename Act, typename T>
+void act_and_mul_rows(const T* gate_up, T* out, int64_t num_rows, int64_t intermediate) {
   at::parallel_for(0, num_rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gate_up + r * 2 * intermediate;
       const T* up = gate + intermediate;
       T* o = out + r * intermediate;
       for (int64_t i = 0; i < intermediate; ++i) {
-        const float x = static_cast<float>(gate[i]);
-        const float e = pagedllm_cpu::exp_nonpositive(-std::fabs(x));
-        // below -87 exp(-x) overflows in float32 and PyTorch's x / (1 + exp(-x)) is -0 (NaN at -inf)
-        const float sigmoid = x < -87.f ? 0.f : (x >= 0.f ? 1.f : e) / (1.f + e);
-        const T activated = static_cast<T>(x * sigmoid);
+        const T activated = static_cast<T>(Act::apply(static_cast<float>(gate[i])));
         o[i] = static_cast<T>(static_cast<float>(activated) * static_cast<float>(up[i]));
       }
     }
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+template <typename Act>
+at::Tensor act_and_mul(const at::Tensor& gate_up) {
   const auto dtype = gate_up.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "gate_up: float32, bfloat16 or float16");
@@ -198,11 +220,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t intermediate = gate_up.size(1) / 2;
   at::Tensor out = at::empty({gate_up.size(0), intermediate}, gate_up.options());
   if (dtype == at::kFloat)
-    silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), intermediate);
+    act_and_mul_rows<Act>(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), intermediate);
   else if (dtype == at::kBFloat16)
-    silu_and_mul_rows(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), gate_up.size(0), intermediate);
+    act_and_mul_rows<Act>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), gate_up.size(0),
+                          intermediate);
   else
-    silu_and_mul_rows(gate_up.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), gate_up.size(0), intermediate);
+    act_and_mul_rows<Act>(gate_up.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), gate_up.size(0), intermediate);
   return out;
 }
 
@@ -210,7 +233,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &act_and_mul<Silu>);
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
+  m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &act_and_mul<GeluTanh>);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor(a!) k_cache, "
