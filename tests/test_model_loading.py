@@ -22,7 +22,13 @@ from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import MODEL_CLASSES, default_model_path
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, plan_kv_cache
 
-from .helpers import TEST_ENGINE_ARGS, save_tiny_model, write_tiny_gguf
+from .helpers import (
+    TEST_ENGINE_ARGS,
+    assert_greedy_equal,
+    save_tiny_model,
+    tiny_architectures,
+    write_tiny_gguf,
+)
 
 
 def test_gguf_weights_as_read_equal_transformers_gguf_weights(reference):
@@ -143,6 +149,67 @@ def test_architecture_matches_transformers(name, tmp_path, reference):
         assert abs(out.logprobs[step][a].logprob - float(ref_logprobs[step][a])) < 1e-4, (
             f"{name}: step {step}"
         )
+
+
+def test_an_image_and_text_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (gemma-3-4b and up): its text_config and language_model
+    weights, the vision tower left out and said so; float32 greedy tokens equal transformers' on
+    the same checkpoint given text alone."""
+    import shutil
+
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = tiny_architectures()["gemma3-window"].to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision | {"image_size": 32, "patch_size": 8},
+        mm_tokens_per_image=4,
+        boi_token_index=49000,
+        eoi_token_index=49001,
+        image_token_index=49002,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    for file in converted_folder(default_model_path()).glob("tokenizer*"):
+        shutil.copy(file, tmp_path)
+    ids = list(range(100, 130))
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        generated = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref_tokens = generated.sequences[0, len(ids) :].tolist()
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        ours = LLM(str(tmp_path), **{**TEST_ENGINE_ARGS, "max_model_len": 512})
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    assert ours.llm_engine.model_config.architecture == "Gemma3ForCausalLM"
+    assert any("34 vision tensors not loaded" in line for line in lines), lines
+    out = ours.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert_greedy_equal(
+        list(out.token_ids), ref_tokens, [step[0] for step in generated.logits], "gemma3-image-text"
+    )
 
 
 @pytest.mark.parametrize(

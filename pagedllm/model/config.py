@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
 }
+LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+"""Image-and-text checkpoints served as their language model alone (text in, text out): config.json's
+text_config, the weights under language_model; the vision tower is not loaded."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,14 @@ class ModelConfig:
         cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
     ) -> ModelConfig:
         architectures = config.get("architectures") or []
+        if any(a in LANGUAGE_MODEL_OF for a in architectures):
+            config = _language_model_config(config)
+            architectures = config["architectures"]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"model architecture {architectures or config.get('model_type')!r} is not supported; "
-                f"pagedllm runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"pagedllm runs {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *LANGUAGE_MODEL_OF]))}"
             )
         num_heads = config["num_attention_heads"]
         rope_scaling, rope_theta = _rope_settings(config)
@@ -169,6 +175,20 @@ def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float
         rest = {key: value for key, value in scaling.items() if key not in ("rope_theta", "type")}
         scaling = None if kind == "default" else {**rest, "rope_type": kind}
     return scaling, float(theta)
+
+
+def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """An image-and-text config's language model as a config of its own. Its text_config names only
+    what differs from transformers' defaults (gemma-3-4b-it: five fields), so transformers' config
+    class fills the rest; the top level's token ids, tying and dtype apply to it."""
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**(config.get("text_config") or {})).to_dict()
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if config.get(key) is not None:
+            text[key] = config[key]
+    architecture = next(LANGUAGE_MODEL_OF[a] for a in config["architectures"] if a in LANGUAGE_MODEL_OF)
+    return text | {"architectures": [architecture]}
 
 
 def _gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:

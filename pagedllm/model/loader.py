@@ -209,7 +209,12 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
-    for hf_name, tensor in weights:
+    not_loaded = 0
+    for checkpoint_name, tensor in weights:
+        hf_name = _language_model_name(checkpoint_name)
+        if hf_name is None:
+            not_loaded += 1
+            continue
         if "rotary_emb" in hf_name or (tied and hf_name == "lm_head.weight"):
             continue
         name, shard_id = _our_name(hf_name, model.packed_modules_mapping)
@@ -236,6 +241,27 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    if not_loaded:
+        logger.info(
+            "Serving the language model alone (text in, text out): %d vision tensors not loaded", not_loaded
+        )
+
+
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+_LANGUAGE_MODEL_PREFIXES = ("language_model.", "model.language_model.")
+
+
+def _language_model_name(checkpoint_name: str) -> str | None:
+    """An image-and-text checkpoint's language-model tensor under its text model's name (Gemma 3:
+    language_model.model.X, or model.language_model.X as transformers 5 names it, -> model.X);
+    None for its vision tower and projector. Other checkpoints' names pass as they are."""
+    if checkpoint_name.removeprefix("model.").startswith(_VISION_PARTS):
+        return None
+    for prefix in _LANGUAGE_MODEL_PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            rest = checkpoint_name.removeprefix(prefix)
+            return rest if rest.startswith(("model.", "lm_head.")) else f"model.{rest}"
+    return checkpoint_name
 
 
 def _our_name(hf_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
