@@ -334,6 +334,25 @@ def test_add_rms_norm_equals_the_pytorch_steps(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 70])
+def test_rms_norm_heads_in_place_equals_add_rms_norm_on_each_head(dtype, num_tokens):
+    """Qwen3's and Gemma 3's q_norm and k_norm in one pass over the fused qkv: each head's row the
+    same bits as add_rms_norm gives it, values untouched."""
+    assert cpu_ops.is_built()
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    q_weight, k_weight = (torch.rand(head_dim, generator=gen).to(dtype) + 0.5 for _ in "qk")
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    expected_q, _ = cpu_ops.add_rms_norm(q.reshape(-1, head_dim), None, q_weight, 1e-6)
+    expected_k, _ = cpu_ops.add_rms_norm(k.reshape(-1, head_dim), None, k_weight, 1e-6)
+    expected = torch.cat([expected_q.view(q.shape), expected_k.view(k.shape), v], dim=-1)
+    got = cpu_ops.rms_norm_heads_(qkv, q_weight, k_weight, num_heads, num_kv_heads, 1e-6)
+    assert got.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_write_kv_equals_apply_rotary_and_write_kv(dtype):
     """Bit for bit: the queries apply_rotary gives, and the rows write_kv writes."""
     from pagedllm.attention.backend import apply_rotary

@@ -210,6 +210,20 @@ def add_rms_norm(
     )
 
 
+def rms_norm_heads_(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """Each query and key head of a fused [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]
+    projection RMS-normed in place (Qwen3's, Gemma 3's q_norm and k_norm), the same bits as
+    add_rms_norm on each head's row; one call where serves_layer_ops. Returns qkv."""
+    return torch.ops.pagedllm.rms_norm_heads_(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+
+
 def serves_layer_ops(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether add_rms_norm and the act-and-mul passes serve a model of this dtype (float32, bfloat16 or
     float16) on this device (CPU)."""

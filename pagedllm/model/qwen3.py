@@ -10,11 +10,14 @@ weights are [head_dim], whole on every tensor-parallel rank, like the other norm
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedllm.attention.backend import CosSin, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -33,20 +36,33 @@ class Qwen3Attention(LlamaAttention):
         self.head_dim = config.head_dim
         self.q_norm = self.head_norm_class(config.head_dim, config.rms_norm_eps)
         self.k_norm = self.head_norm_class(config.head_dim, config.rms_norm_eps)
+        self.norm_heads: Callable[[torch.Tensor], torch.Tensor] = self._norm_heads_apart
+
+    def choose_impl(self, device: torch.device, dtype: torch.dtype) -> None:
+        """On CPU, the heads normed in place in one C++ pass (the same bits as the norms' own)."""
+        if cpu_ops.serves_layer_ops(device, dtype):
+            self.norm_heads = self._norm_heads_in_place
 
     def forward(
         self, rope: CosSin, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        qkv = torch.cat([self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k), v], dim=-1)
+        qkv = self.norm_heads(self.qkv_proj(hidden))  # [num_tokens, q_size + 2 * kv_size]
         out = self.attn(qkv, rope, kv_cache, metadata)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.view(hidden.shape[0], self.q_size))
 
-    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, heads * head_dim], each head normed over its head_dim; same shape."""
-        normed, _ = norm(x.reshape(-1, self.head_dim))  # [num_tokens * heads, head_dim]
-        return normed.view(x.shape)
+    def _norm_heads_apart(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each query and key head normed over its head_dim, in PyTorch ops: a new qkv."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        normed_q, _ = self.q_norm(q.reshape(-1, self.head_dim))  # [num_tokens * heads, head_dim]
+        normed_k, _ = self.k_norm(k.reshape(-1, self.head_dim))
+        return torch.cat([normed_q.view(q.shape), normed_k.view(k.shape), v], dim=-1)
+
+    def _norm_heads_in_place(self, qkv: torch.Tensor) -> torch.Tensor:
+        qkv = qkv.contiguous()
+        num_heads, num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        return cpu_ops.rms_norm_heads_(
+            qkv, self.q_norm.weight, self.k_norm.weight, num_heads, num_kv_heads, self.q_norm.eps
+        )
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

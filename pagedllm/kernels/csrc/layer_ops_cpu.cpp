@@ -34,6 +34,26 @@
 
 namespace {
 
+// One row normed: out = weight * (row * rsqrt(mean(row^2) + eps)), out may be the row itself.
+template <typename T>
+inline void rms_norm_row(const T* row, const T* weight, T* out, int64_t hidden, float eps) {
+  float lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= hidden; i += 8)
+    for (int64_t j = 0; j < 8; ++j) {
+      const float h = static_cast<float>(row[i + j]);
+      lanes[j] += h * h;
+    }
+  float sum = 0.f;
+  for (int64_t j = 0; j < 8; ++j) sum += lanes[j];
+  for (; i < hidden; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+  const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+  for (int64_t k = 0; k < hidden; ++k) {
+    const T normed = static_cast<T>(static_cast<float>(row[k]) * inv_rms);
+    out[k] = static_cast<T>(static_cast<float>(weight[k]) * static_cast<float>(normed));
+  }
+}
+
 template <typename T>
 void add_rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* summed, int64_t num_rows,
                        int64_t hidden, float eps) {
@@ -47,24 +67,49 @@ void add_rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T
       } else if (sr != xr) {
         for (int64_t i = 0; i < hidden; ++i) sr[i] = xr[i];
       }
-      float lanes[8] = {};
-      int64_t i = 0;
-      for (; i + 8 <= hidden; i += 8)
-        for (int64_t j = 0; j < 8; ++j) {
-          const float h = static_cast<float>(sr[i + j]);
-          lanes[j] += h * h;
-        }
-      float sum = 0.f;
-      for (int64_t j = 0; j < 8; ++j) sum += lanes[j];
-      for (; i < hidden; ++i) sum += static_cast<float>(sr[i]) * static_cast<float>(sr[i]);
-      const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-      T* o = out + r * hidden;
-      for (int64_t k = 0; k < hidden; ++k) {
-        const T normed = static_cast<T>(static_cast<float>(sr[k]) * inv_rms);
-        o[k] = static_cast<T>(static_cast<float>(weight[k]) * static_cast<float>(normed));
-      }
+      rms_norm_row(sr, weight, out + r * hidden, hidden, eps);
     }
   });
+}
+
+// rms_norm_heads_: Qwen3's and Gemma 3's norms of each query and key head, in place on the fused
+// qkv projection [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]: each head's row normed as
+// add_rms_norm norms a row (the same bits), q heads by q_weight, k heads by k_weight, values
+// untouched. Replaces a split, two reshapes, two norms and a concatenation per layer.
+template <typename T>
+void rms_norm_heads_rows(T* qkv, const T* q_weight, const T* k_weight, int64_t num_tokens, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, float eps) {
+  const int64_t heads = num_heads + num_kv_heads, row_stride = (num_heads + 2 * num_kv_heads) * head_dim;
+  at::parallel_for(0, num_tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t token = i / heads, head = i % heads;
+      T* row = qkv + token * row_stride + head * head_dim;
+      rms_norm_row(row, head < num_heads ? q_weight : k_weight, row, head_dim, eps);
+    }
+  });
+}
+
+at::Tensor rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                           int64_t num_heads, int64_t num_kv_heads, double eps) {
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "qkv: float32, bfloat16 or float16");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && q_weight.dim() == 1 && q_weight.sizes() == k_weight.sizes(),
+              "q_weight, k_weight: [head_dim] each");
+  const int64_t head_dim = q_weight.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv: contiguous [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]");
+  TORCH_CHECK(q_weight.scalar_type() == dtype && k_weight.scalar_type() == dtype && q_weight.is_contiguous() &&
+                  k_weight.is_contiguous(),
+              "q_weight, k_weight: contiguous, of qkv's dtype");
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    rms_norm_heads_rows<T>(qkv.data_ptr<T>(), q_weight.data_ptr<T>(), k_weight.data_ptr<T>(), qkv.size(0),
+                           num_heads, num_kv_heads, head_dim, static_cast<float>(eps));
+  };
+  if (dtype == at::kFloat) run(float{});
+  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
+  else run(c10::Half{});
+  return qkv;
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -237,6 +282,9 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &act_and_mul<GeluTanh>);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_heads_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_heads, int num_kv_heads, "
+        "float eps) -> Tensor(a!)");
+  m.impl("rms_norm_heads_", c10::DispatchKey::CPU, &rms_norm_heads_);
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, int num_heads, int num_kv_heads) -> Tensor");
