@@ -5,7 +5,9 @@ never from one another."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -345,7 +347,15 @@ def save_tiny_model(name, folder):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_architectures()[name], dtype=torch.float32).eval()
+    return save_with_random_norms(
+        AutoModelForCausalLM.from_config(tiny_architectures()[name], dtype=torch.float32), folder
+    )
+
+
+def save_with_random_norms(model, folder):
+    """`model` (random weights) with its norm weights drawn from [0.5, 1.5), saved as an HF folder
+    with SmolLM2's tokenizer; returns it, in eval mode."""
+    model.eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "norm" in param_name:
@@ -354,6 +364,22 @@ def save_tiny_model(name, folder):
     for file in converted_folder(default_model_path()).glob("tokenizer*"):
         shutil.copy(file, folder)
     return model
+
+
+@contextlib.contextmanager
+def pagedllm_log_lines():
+    """The messages pagedllm logs at INFO and above while in the block (a list, filled as they come)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 GGUF_LAYER_NAMES = {

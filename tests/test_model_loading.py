@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import re
 
@@ -25,7 +24,9 @@ from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, plan_kv_ca
 from .helpers import (
     TEST_ENGINE_ARGS,
     assert_greedy_equal,
+    pagedllm_log_lines,
     save_tiny_model,
+    save_with_random_norms,
     tiny_architectures,
     write_tiny_gguf,
 )
@@ -82,17 +83,8 @@ def test_a_kv_budget_beyond_the_hosts_memory_is_refused_at_start():
 
 
 def test_startup_report_says_what_vllm_users_grep_for():
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("pagedllm")
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
+    with pagedllm_log_lines() as lines:
         LLM(dtype="float32", max_model_len=4096, kv_cache_memory_bytes="1GiB", disable_log_stats=True)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     text = "\n".join(lines)
     # the default GGUF's own blocks, kept: Q4_1 projections, a Q8_0 embedding (and its tied head)
     assert re.search(r"weights take 0\.\d\d GiB \(Q4_1 0\.\d\d GiB, Q8_0 0\.\d\d GiB", text), text
@@ -155,8 +147,6 @@ def test_an_image_and_text_gemma3_checkpoint_serves_its_language_model(tmp_path)
     """Gemma3ForConditionalGeneration (gemma-3-4b and up): its text_config and language_model
     weights, the vision tower left out and said so; float32 greedy tokens equal transformers' on
     the same checkpoint given text alone."""
-    import shutil
-
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = tiny_architectures()["gemma3-window"].to_dict()
@@ -170,14 +160,7 @@ def test_an_image_and_text_gemma3_checkpoint_serves_its_language_model(tmp_path)
         image_token_index=49002,
     )
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path)
-    for file in converted_folder(default_model_path()).glob("tokenizer*"):
-        shutil.copy(file, tmp_path)
+    model = save_with_random_norms(Gemma3ForConditionalGeneration(config), tmp_path)
     ids = list(range(100, 130))
     model.generation_config.eos_token_id = None
     with torch.inference_mode():
@@ -189,17 +172,8 @@ def test_an_image_and_text_gemma3_checkpoint_serves_its_language_model(tmp_path)
             return_dict_in_generate=True,
         )
     ref_tokens = generated.sequences[0, len(ids) :].tolist()
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("pagedllm")
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
+    with pagedllm_log_lines() as lines:
         ours = LLM(str(tmp_path), **{**TEST_ENGINE_ARGS, "max_model_len": 512})
-    finally:
-        logger.removeHandler(handler)
-        logger.level = level
     assert ours.llm_engine.model_config.architecture == "Gemma3ForCausalLM"
     assert any("34 vision tensors not loaded" in line for line in lines), lines
     out = ours.generate(
