@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
 from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.core.disk_index import DiskIndex
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -503,26 +504,36 @@ def start_up_error(tmp_path: Path, *args: str) -> str:
 
 @pytest.mark.slow
 def test_bad_offload_and_warm_up_values_end_start_up_in_one_line(tmp_path):
+    """What the config can tell (a file where a directory goes, a missing or special warm-up file)
+    it refuses before any model loads: checked in process, as the message the server prints after
+    "error: ". What shows only at start-up (a directory that cannot be made, a warm-up file that does
+    not parse) ends a real server's start in that one line, no traceback."""
     a_file = tmp_path / "file"
     a_file.write_text("")
     bad_json = tmp_path / "warm.jsonl"
     bad_json.write_text('{"prompt": "x", "max_tokens": 1}\n{not json\n')
     os.mkfifo(tmp_path / "fifo")
-    assert start_up_error(tmp_path, "--kv-offload-dir", str(a_file)) == (
+
+    def config_error(**settings) -> str:
+        with pytest.raises(ValueError) as refused:
+            EngineConfig(**(TEST_ENGINE_ARGS | settings))
+        return f"error: {refused.value}"
+
+    assert config_error(kv_offload_dir=str(a_file)) == (
         f"error: kv_offload_dir: {a_file} is not a directory; point --kv-offload-dir at one "
         "(created if missing)"
     )
-    line = start_up_error(tmp_path, "--kv-offload-dir", str(a_file / "kv"))
-    assert line.startswith(f"error: kv_offload_dir: cannot create {a_file / 'kv'} (")
-    assert "--kv-offload-dir" in line
     for path, why in (
         (tmp_path / "missing.jsonl", "no such file"),
         (tmp_path / "fifo", "not a regular file"),
     ):
-        assert start_up_error(tmp_path, "--prefix-cache-warmup", str(path)) == (
+        assert config_error(prefix_cache_warmup=str(path)) == (
             f"error: prefix_cache_warmup: {path}: {why}; give --prefix-cache-warmup a JSONL file of "
             "prompts or conversations"
         )
+    line = start_up_error(tmp_path, "--kv-offload-dir", str(a_file / "kv"))
+    assert line.startswith(f"error: kv_offload_dir: cannot create {a_file / 'kv'} (")
+    assert "--kv-offload-dir" in line
     line = start_up_error(tmp_path, "--prefix-cache-warmup", str(bad_json))
     assert line.startswith(f"error: prefix_cache_warmup: cannot read {bad_json} (")
     assert "--prefix-cache-warmup" in line

@@ -259,8 +259,11 @@ MIXED_TYPES = {
 }
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gemma3-gguf"])
-@pytest.mark.parametrize("kernel", [True, False], ids=["integer-kernel", "dequantized"])
+@pytest.mark.parametrize(
+    ("kernel", "architecture"),
+    [(True, "llama"), (False, "llama"), (True, "gemma3-gguf")],  # the dequantized path: one architecture
+    ids=["integer-kernel-llama", "dequantized-llama", "integer-kernel-gemma3"],
+)
 def test_gguf_with_float_parts_in_fused_projections_matches_it_dequantized(
     kernel, architecture, tmp_path, monkeypatch
 ):
