@@ -269,7 +269,7 @@ def test_sampled_output_keeps_its_distribution_with_speculation(llm, spec_llm):
         before = engine.llm_engine.get_stats().spec_decode
         drafts_before = before.num_draft_tokens if before else 0
         outputs = [
-            out for _ in range(n // 4) for out in engine.generate([REPETITIVE] * 4, params, use_tqdm=False)
+            out for _ in range(n // 16) for out in engine.generate([REPETITIVE] * 16, params, use_tqdm=False)
         ]
         samples[name] = Counter(tuple(o.outputs[0].token_ids) for o in outputs)
         after = engine.llm_engine.get_stats().spec_decode
