@@ -13,7 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 
-from .helpers import TEST_ENGINE_ARGS, fake_run, make_scheduler, step
+from .helpers import TEST_ENGINE_ARGS, fake_run, make_scheduler, save_tiny_model, step
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -336,3 +336,21 @@ def test_hit_rate_by_caller_and_prompt_length(fresh):
     assert stats.by_user["alice"].requests >= 2 and stats.by_user["alice"].hits >= 10 * BLOCK
     assert stats.by_user["bob"].hits == 10 * BLOCK and stats.by_user["bob"].queries == 10 * BLOCK + 4
     assert stats.by_prompt_length["128-511"].hits >= 20 * BLOCK
+
+
+def test_sliding_window_layers_give_the_same_tokens_cached_chunked_and_batched(tmp_path):
+    """A Gemma 3 whose 8-key windows slide well inside these prompts: prompts sharing a 3-block
+    prefix, served together with prefix caching and 16-token prefill chunks, give each one's
+    tokens served alone, cold, in one chunk (float32)."""
+    save_tiny_model("gemma3-window", tmp_path)
+    prefix = token_prompt(70, 3 * BLOCK)
+    prompts = [{"prompt_token_ids": prefix + token_prompt(80 + i, 5 + 3 * i)} for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine_args = {**TEST_ENGINE_ARGS, "max_model_len": 256}
+    crowded = LLM(str(tmp_path), **engine_args, max_num_batched_tokens=16, max_num_seqs=16)
+    together = crowded.generate(prompts, params, use_tqdm=False)
+    assert sum(output.num_cached_tokens for output in together) > 0  # the prefix was shared
+    alone = LLM(str(tmp_path), **engine_args, enable_prefix_caching=False)
+    for prompt, output in zip(prompts, together, strict=True):
+        expected = alone.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert output.outputs[0].token_ids == expected
