@@ -112,6 +112,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        """What scores are scaled by: query_pre_attn_scalar ** -0.5 where the model sets it (Gemma),
+        else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def num_parameters(self, tp_size: int = 1) -> int:
         """Parameter count from the shapes alone (for planning without weights); with tensor
         parallelism one rank's: the layers' projections split, embeddings and norms whole, an

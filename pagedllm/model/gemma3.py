@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.backend import Attention, CosSin, KVCache
+from pagedllm.attention.backend import CosSin, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import LinearBackend
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.activation import GeluTanhAndMul
 from pagedllm.layers.embedding import VocabEmbedding
@@ -42,17 +43,6 @@ class GemmaRMSNorm(RMSNorm):
 
 class Gemma3Attention(Qwen3Attention):
     head_norm_class = GemmaRMSNorm
-
-    def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None) -> None:
-        super().__init__(config, tp)
-        assert config.query_pre_attn_scalar is not None
-        self.attn = Attention(
-            self.attn.num_heads,
-            self.attn.num_kv_heads,
-            config.head_dim,
-            config.query_pre_attn_scalar**-0.5,
-            window,
-        )
 
 
 class Gemma3MLP(LlamaMLP):
@@ -101,6 +91,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
+        self.embed_scale = torch.tensor(config.hidden_size**0.5)  # rounded to the dtype in prepare
+
+    def prepare(self, dtype: torch.dtype, linear_backend: LinearBackend = "auto") -> int:
+        # sqrt(hidden_size) in float32, then in the model's dtype, as transformers rounds it
+        self.embed_scale = torch.tensor(self.config.hidden_size**0.5).to(dtype)
+        return super().prepare(dtype, linear_backend)
 
     def forward(
         self,
@@ -109,9 +105,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # sqrt(hidden_size) in float32, then in the model's dtype, as transformers rounds it
-        hidden = hidden * torch.tensor(self.config.hidden_size**0.5).to(hidden.dtype)
+        hidden = self.embed_tokens(input_ids) * self.embed_scale
         global_rope, local_rope = self.rotary(positions), self.local_rotary(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

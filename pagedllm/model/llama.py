@@ -39,7 +39,8 @@ __all__ = ["KVCache", "LlamaForCausalLM"]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None = None) -> None:
+        """`window`: the keys each query attends to, counted back from it (None: every key)."""
         super().__init__()
         tp_size = tp.world_size if tp is not None else 1
         num_heads = config.num_attention_heads // tp_size
@@ -49,7 +50,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [config.q_size, config.kv_size, config.kv_size], config.attention_bias, tp
         )
         # rotary, the K/V write and paged attention: the step's backend (attention/backend.py)
-        self.attn = Attention(num_heads, num_kv_heads, config.head_dim, config.head_dim**-0.5)
+        self.attn = Attention(num_heads, num_kv_heads, config.head_dim, config.attention_scale, window)
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, tp)
 
     def forward(

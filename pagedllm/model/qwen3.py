@@ -29,8 +29,8 @@ class Qwen3Attention(LlamaAttention):
     head_norm_class: type[RMSNorm] = RMSNorm
     """The per-head norms' kind (Gemma 3's scale by 1 + weight: model/gemma3.py)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
-        super().__init__(config, tp)
+    def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None = None) -> None:
+        super().__init__(config, tp, window)
         tp_size = tp.world_size if tp is not None else 1
         self.kv_size = config.kv_size // tp_size
         self.head_dim = config.head_dim
