@@ -36,19 +36,30 @@ class Reference:
     tokenizer: object
 
     @torch.inference_mode()
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-        """Greedy tokens (stopping at EOS, as pagedllm does) and the logits of every step."""
+    def greedy(
+        self, prompts: list[list[int]], max_new_tokens: int
+    ) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """Each prompt's greedy tokens (stopping at EOS, as pagedllm does) and the logits of every
+        step, generated in one left-padded batch: a step reads the weights once for all prompts,
+        and batching moves float32 logits by rounding only (the near-tie rule covers it)."""
+        width = max(len(ids) for ids in prompts)
+        pad = self.tokenizer.eos_token_id
         out = self.model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts]),
+            attention_mask=torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts]),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
-            pad_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=pad,
         )
-        tokens = out.sequences[0, len(prompt_ids) :].tolist()
-        return tokens, [step[0].float() for step in out.logits]
+        results = []
+        for row in range(len(prompts)):
+            tokens = out.sequences[row, width:].tolist()
+            if pad in tokens:  # a finished row is padded with EOS after its own
+                tokens = tokens[: tokens.index(pad) + 1]
+            results.append((tokens, [step[row].float() for step in out.logits[: len(tokens)]]))
+        return results
 
     @torch.inference_mode()
     def logits(self, token_ids: list[int]) -> torch.Tensor:

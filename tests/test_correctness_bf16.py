@@ -34,9 +34,10 @@ NEW_TOKENS = 48
 def bf16_cases(reference):
     """(label, prompt ids, reference tokens, reference logprobs per step, noise per step)."""
     ref16 = Reference(copy.deepcopy(reference.model).to(torch.bfloat16), reference.tokenizer)
+    prompts = labelled_prompts(reference.tokenizer)
+    generated = ref16.greedy([ids for _, ids in prompts], NEW_TOKENS)
     cases = []
-    for label, ids in labelled_prompts(reference.tokenizer):
-        tokens, logits = ref16.greedy(ids, NEW_TOKENS)
+    for (label, ids), (tokens, logits) in zip(prompts, generated, strict=True):
         logprobs = torch.log_softmax(torch.stack(logits), dim=-1)
         # float32 on the very same tokens: what bfloat16 rounding alone changed
         exact = torch.log_softmax(reference.logits(ids + tokens[:-1])[len(ids) - 1 :], dim=-1)

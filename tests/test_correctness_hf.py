@@ -18,10 +18,10 @@ FILLERS = [
 @pytest.fixture(scope="module")
 def cases(reference):
     """(label, prompt token ids, reference tokens, reference logits) for the 8 prompts."""
-    return [
-        (label, ids, *reference.greedy(ids, NEW_TOKENS))
-        for label, ids in labelled_prompts(reference.tokenizer)
-    ]
+    prompts = labelled_prompts(reference.tokenizer)
+    generated = reference.greedy([ids for _, ids in prompts], NEW_TOKENS)
+    pairs = zip(prompts, generated, strict=True)
+    return [(label, ids, tokens, logits) for (label, ids), (tokens, logits) in pairs]
 
 
 def test_prompts_tokenize_like_transformers(llm, cases):
