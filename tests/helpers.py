@@ -311,7 +311,12 @@ def tiny_architectures():
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
         ),
         "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=True),
-        "mistral": MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+        # layer 1 slides over 8 keys (max_window_layers 1), layer 0 sees every key
+        "qwen2-window": Qwen2Config(
+            **TINY, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=1
+        ),
+        # Mistral-7B-v0.1's kind: every layer slides (there over 4,096 keys, here 8)
+        "mistral": MistralConfig(**TINY, sliding_window=8, tie_word_embeddings=False),
         # head_dim 32, not hidden / heads = 16, as Qwen3-0.6B's 128 is not 1024 / 16
         "qwen3-head-dim": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
         # a window of 8 keys on two of three layers, so a 40-token run slides; a linear-scaled

@@ -95,7 +95,15 @@ def test_startup_report_says_what_vllm_users_grep_for():
 
 @pytest.mark.parametrize(
     "name",
-    ["llama3-rope-untied", "llama-linear-rope", "qwen2-bias", "mistral", "qwen3-head-dim", "gemma3-window"],
+    [
+        "llama3-rope-untied",
+        "llama-linear-rope",
+        "qwen2-bias",
+        "qwen2-window",
+        "mistral",
+        "qwen3-head-dim",
+        "gemma3-window",
+    ],
 )
 def test_architecture_matches_transformers(name, tmp_path, reference):
     model = save_tiny_model(name, tmp_path)

@@ -121,13 +121,20 @@ def test_plan_errors_say_what_to_change(capsys):
     assert "no memory left for the KV cache" in capsys.readouterr().err
 
 
-def test_max_model_len_is_capped_at_a_sliding_window_and_refused_over_the_context():
+def test_sliding_windows_are_the_layers_own_and_max_model_len_is_refused_over_the_context():
+    """Windows as transformers applies them (so they do not cap the context): Mistral's on every
+    layer, Qwen2's from max_window_layers on and only with use_sliding_window, Llama's never."""
     config = json.loads((converted_folder(default_model_path()) / "config.json").read_text())
-    windowed = ModelConfig.from_dict({**config, "max_position_embeddings": 4096, "sliding_window": 512})
-    assert windowed.resolve_max_model_len(None) == 512
-    assert windowed.resolve_max_model_len(1000) == 512
-    assert windowed.resolve_max_model_len(256) == 256
+    config |= {"max_position_embeddings": 4096, "sliding_window": 512, "num_hidden_layers": 4}
+    mistral = ModelConfig.from_dict({**config, "architectures": ["MistralForCausalLM"]})
+    assert mistral.layer_windows == (512,) * 4
+    assert ModelConfig.from_dict({**config, "architectures": ["LlamaForCausalLM"]}).layer_windows is None
+    qwen2 = {**config, "architectures": ["Qwen2ForCausalLM"], "max_window_layers": 1}
+    assert ModelConfig.from_dict(qwen2).layer_windows is None  # use_sliding_window is off by default
+    assert ModelConfig.from_dict(qwen2 | {"use_sliding_window": True}).layer_windows == (None, 512, 512, 512)
+    assert mistral.resolve_max_model_len(None) == 4096
+    assert mistral.resolve_max_model_len(1000) == 1000
     with pytest.raises(ValueError, match="max_model_len: 5,000 is over the model's context of 4,096"):
-        windowed.resolve_max_model_len(5000)
-    plan = plan_capacity(windowed, model_name="windowed", max_model_len=1000)
-    assert plan.kv.max_model_len == 512  # the planner serves what the engine would
+        mistral.resolve_max_model_len(5000)
+    plan = plan_capacity(mistral, model_name="windowed", max_model_len=1000)
+    assert plan.kv.max_model_len == 1000  # the planner serves what the engine would

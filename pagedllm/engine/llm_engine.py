@@ -59,7 +59,7 @@ class LLMEngine:
             else folder
         )
         self.tokenizer = load_tokenizer(self.tokenizer_folder, config.chat_template)
-        max_model_len = self._resolve_max_model_len(config, self.model_config)
+        max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         self.config = config.replace(max_model_len=max_model_len)
 
         self.executor: Executor = make_executor(self.config, folder, self.model_config)
@@ -312,16 +312,6 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     # ---- helpers -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-        max_model_len = model_config.resolve_max_model_len(config.max_model_len)
-        if max_model_len < (config.max_model_len or model_config.max_position_embeddings):
-            logger.warning(
-                "This model uses sliding-window attention (%d); max_model_len is capped to it.",
-                model_config.sliding_window,
-            )
-        return max_model_len
 
     def _log_startup_report(self, load_seconds: float) -> None:
         plan: KVCachePlan = self.kv_cache_plan

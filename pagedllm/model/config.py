@@ -43,12 +43,12 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None
     rope_freq_factors: tuple[float, ...] | None = None
     """Llama 3.1+ GGUFs carry rope scaling as per-frequency divisors instead of parameters."""
     layer_windows: tuple[int | None, ...] | None = None
-    """Per layer, the sliding window its attention keeps to (None: every key), where the model's
-    layers apply it (Gemma 3: five local layers to one global); None where they do not."""
+    """Per layer, the sliding window its attention keeps to (None: every key), as transformers'
+    layers apply one (Mistral: every layer; Qwen2 / Qwen3 with use_sliding_window: the layers from
+    max_window_layers on; Gemma 3: five local layers to one global); None where no layer slides."""
     local_rope_theta: float | None = None
     """The rope base of the sliding-window layers where it is their own (Gemma 3), unscaled."""
     query_pre_attn_scalar: float | None = None
@@ -73,6 +73,8 @@ class ModelConfig:
         gemma = _gemma3_settings(config) if arch == "Gemma3ForCausalLM" else {}
         if gemma:
             rope_scaling, rope_theta = gemma.pop("rope_scaling"), gemma.pop("rope_theta")
+        else:
+            gemma["layer_windows"] = _layer_windows(arch, config)
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -91,7 +93,6 @@ class ModelConfig:
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_eos_ids(config, generation_config or {}),
-            sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
             rope_freq_factors=tuple(config["rope_freq_factors"]) if "rope_freq_factors" in config else None,
             **gemma,
         )
@@ -159,15 +160,14 @@ class ModelConfig:
                 )
 
     def resolve_max_model_len(self, requested: int | None) -> int:
-        """The context the engine serves: `requested` or the model's, capped at a sliding window
-        the layers do not apply (Mistral's, Qwen2's). ValueError over the model's context."""
+        """The context the engine serves: `requested` or the model's; ValueError over the model's.
+        A sliding window does not cap it: the layers apply their windows."""
         model_max = self.max_position_embeddings
         if requested is not None and requested > model_max:
             raise ValueError(
                 f"max_model_len: {requested:,} is over the model's context of {model_max:,} tokens"
             )
-        unapplied_window = self.sliding_window if self.layer_windows is None else None
-        return min(requested or model_max, unapplied_window or model_max)
+        return requested or model_max
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:
@@ -181,6 +181,26 @@ def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float
         rest = {key: value for key, value in scaling.items() if key not in ("rope_theta", "type")}
         scaling = None if kind == "default" else {**rest, "rope_type": kind}
     return scaling, float(theta)
+
+
+def _layer_windows(architecture: str, config: dict[str, Any]) -> tuple[int | None, ...] | None:
+    """Which layers slide, and by how much, as transformers' Mistral and Qwen2 / Qwen3 decide it
+    (their config classes' defaults included: sliding_window 4096, max_window_layers 28); Llama
+    has no window, whatever its config says."""
+    num_layers = config["num_hidden_layers"]
+    window = config.get("sliding_window", 4096)
+    if architecture == "MistralForCausalLM":
+        return None if window is None else (window,) * num_layers
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or window is None:
+        return None
+    if not config.get("use_sliding_window", False):
+        return None
+    first = config.get("max_window_layers", 28)
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+    ]
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(windows) else None
 
 
 def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -77,10 +77,10 @@ class LlamaDecoderLayer(nn.Module):
     attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
     """What a variant changes of the layer (Qwen3: per-head query and key norms, model/qwen3.py)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = self.attention_class(config, tp)
+        self.self_attn = self.attention_class(config, tp, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -117,9 +117,8 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, max_position, config.rope_theta, config.rope_scaling, config.rope_freq_factors
         )
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            self.decoder_layer_class(config, tp) for _ in range(config.num_hidden_layers)
-        )
+        windows = config.layer_windows or (None,) * config.num_hidden_layers
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, tp, window) for window in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
