@@ -204,10 +204,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual) on CPU, in one call.
     x: [num_tokens, hidden]; residual: the same, or None for the first norm."""
-    empty = x.new_empty(0)
-    return torch.ops.pagedllm.add_rms_norm(
-        x.contiguous(), empty if residual is None else residual, weight, eps
-    )
+    return torch.ops.pagedllm.add_rms_norm(x.contiguous(), residual, weight, eps)
 
 
 def rms_norm_heads_(

@@ -12,7 +12,7 @@
 // hidden by the last rounding to a 16-bit dtype most of the time, a few float32 roundings in a
 // float32 model (greedy tokens still Hugging Face's: tests/test_correctness_hf.py).
 //
-// x, residual: [num_tokens, hidden] (residual may be empty: the first norm); weight: [hidden].
+// x, residual: [num_tokens, hidden] (residual None: the first norm); weight: [hidden].
 // Returns (normed, x + residual) in x's dtype.
 //
 // silu_and_mul, gelu_tanh_and_mul: the MLP's act(gate) * up from the fused gate_up projection, one
@@ -112,22 +112,22 @@ at::Tensor rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at
   return qkv;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [num_tokens, hidden]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "x: float32, bfloat16 or float16");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1) && weight.is_contiguous(),
               "weight: [hidden] of x's dtype");
-  const bool has_residual = residual.numel() > 0;
-  TORCH_CHECK(!has_residual || (residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
-                                residual.is_contiguous()),
-              "residual: empty, or contiguous like x");
+  const bool has_residual = residual.has_value();
+  TORCH_CHECK(!has_residual || (residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                                residual->is_contiguous()),
+              "residual: None, or contiguous like x");
   at::Tensor out = at::empty_like(x);
   at::Tensor summed = has_residual ? at::empty_like(x) : x;
   auto run = [&](auto zero) {
     using T = decltype(zero);
-    add_rms_norm_rows<T>(x.data_ptr<T>(), has_residual ? residual.data_ptr<T>() : nullptr, weight.data_ptr<T>(),
+    add_rms_norm_rows<T>(x.data_ptr<T>(), has_residual ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
                          out.data_ptr<T>(), summed.data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
   };
   if (x.scalar_type() == at::kFloat) run(float{});
@@ -281,7 +281,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &act_and_mul<Silu>);
   m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &act_and_mul<GeluTanh>);
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_heads_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_heads, int num_kv_heads, "
         "float eps) -> Tensor(a!)");
   m.impl("rms_norm_heads_", c10::DispatchKey::CPU, &rms_norm_heads_);
