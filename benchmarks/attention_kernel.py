@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/attention_kernel.py --shape llama-3.2-1b
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), block size 32, or
-Llama-3.2-1B's (32 query heads, 8 KV heads, head_dim 64; block size 16, the server's default),
+Llama-3.2-1B's (32 query heads, 8 KV heads, head_dim 64; block size 16, the server's default), or
+Gemma-3-1B's (4 query heads, 1 KV head, head_dim 256: one decode is one task, so one thread),
 and 30 layers' caches of which each call takes the next, so K/V come from memory as in a real step
 rather than from a cache level a single repeated call would keep them in. Cases: decode steps
 (32 and 8 requests, 300 or 1,000 keys each; 1 and 8 requests at 576 keys, 1 at 2,048: a served
@@ -35,6 +36,7 @@ from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 SHAPES = {  # name: (query heads, KV heads, head_dim, block size)
     "smollm2-135m": (9, 3, 64, 32),
     "llama-3.2-1b": (32, 8, 64, 16),
+    "gemma-3-1b": (4, 1, 256, 16),
 }
 NUM_LAYERS = 30
 CASES = {  # name: (requests, tokens each computes, keys each attends)
