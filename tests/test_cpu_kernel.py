@@ -223,6 +223,53 @@ def test_decodes_sharing_a_prefix_keep_their_own_window(window):
     torch.testing.assert_close(together, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16"])
+def test_decodes_fewer_than_the_threads_are_cut_over_them_with_the_same_bits(
+    cache_dtype, head_dim, block_size, window
+):
+    """One KV head (Gemma-3-1B's layout): one request's decode, or two sharing prefix blocks, is
+    one task, so the kernel cuts its keys (scores) and its 64-value output ranges (weighted sums)
+    over the threads. Each output is bit for bit what one thread computes, and what the request
+    gets beside another request of its own; and it is the PyTorch path's, window included."""
+    assert cpu_ops.is_built()
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    group, shared, max_blocks = 4, 3, -(-601 // block_size)
+    num_blocks = 3 * max_blocks + shared
+    k, v = (torch.randn(num_blocks, block_size, 1, head_dim, generator=gen) for _ in "kv")
+    query = torch.randn(3, group, head_dim, generator=gen)
+    if cache_dtype in HALF_WIDTH:
+        query, k, v = (x.to(HALF_WIDTH[cache_dtype]) for x in (query, k, v))
+    seq_lens = torch.tensor([601, 333, 90])
+    own = torch.randperm(num_blocks - shared, generator=gen)[: 3 * max_blocks].view(3, max_blocks) + shared
+    tables = torch.cat([torch.arange(shared).expand(3, shared), own[:, : max_blocks - shared]], dim=1)
+    tables[2] = own[2]  # the third shares nothing with the first two
+
+    def attend(rows: list[int], threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        starts = torch.arange(len(rows) + 1)
+        return cpu_ops.paged_attention(
+            query[rows], k, v, tables[rows], starts, seq_lens[rows], head_dim**-0.5, window=window
+        )
+
+    before = torch.get_num_threads()
+    try:
+        alone_cut, alone_whole = attend([0], 2), attend([0], 1)
+        sharing_cut, sharing_whole = attend([0, 1], 2), attend([0, 1], 1)
+        beside = attend([0, 2], 1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone_cut, alone_whole) and torch.equal(alone_cut, beside[:1])
+    assert torch.equal(sharing_cut, sharing_whole) and torch.equal(sharing_cut[:1], alone_whole)
+    mask = (torch.arange(max_blocks * block_size)[None, :] < seq_lens[:2, None])[:, None, None, :]
+    batch = DecodeBatch(torch.arange(2), tables[:2], seq_lens[:2], mask)
+    expected = decode_gathered(query[:2].float(), k.float(), v.float(), batch, head_dim**-0.5, window)
+    tolerance = 2e-5 if cache_dtype == "float32" else 1e-2
+    torch.testing.assert_close(sharing_cut.float(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
 @settings(max_examples=20, deadline=None)

@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -105,6 +106,79 @@ struct Attend {
   };
 
   void run(int64_t kv_head, const Part* parts, int64_t num_parts, Work& w) const {
+    const int64_t stride = prepare(kv_head, parts, num_parts, w);
+    for (const Segment& seg : w.segments) {
+      segment_rows(kv_head, seg, w);
+      score_block(seg.ids, seg.begin, w, stride);
+    }
+    normalize(stride, w);
+    for (const Segment& seg : w.segments) {  // in key order: each query's sum continues in order
+      segment_rows(kv_head, seg, w);
+      sum_block(seg.ids, seg.begin, seg.end, w, stride, 0, head_dim);
+    }
+    write_out(w);
+  }
+
+  // Whether run_split can take this kind of row: its rows can be cut by 64 values (no scale after them).
+  bool splits() const { return !Row::kIsScaled && head_dim % 64 == 0; }
+
+  // run() for a task alone on the machine (one decode of a model with one KV head, say), its
+  // work cut over `num_threads` with every value computed as run() computes it: the scores by
+  // ranges of keys (a key's score does not depend on its neighbours), the softmax whole, the
+  // weighted sums by ranges of 64 output values (each runs over the keys in order, as in run()).
+  void run_split(int64_t kv_head, const Part* parts, int64_t num_parts, Work& w, int64_t num_threads) const {
+    const int64_t stride = prepare(kv_head, parts, num_parts, w);
+    const int64_t num_queries = static_cast<int64_t>(w.lens.size());
+    const int64_t max_len = *std::max_element(w.lens.begin(), w.lens.end());
+    const int64_t unit = std::lcm<int64_t>(16, block_size);  // cuts on tile and block boundaries
+    const int64_t units = (max_len + unit - 1) / unit, key_chunks = std::min(num_threads, units);
+    at::parallel_for(0, key_chunks, 1, [&](int64_t begin, int64_t end) {
+      Work local;
+      share_queries(w, local);
+      local.scores.resize(w.scores.size());
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t k0 = units * c / key_chunks * unit, k1 = std::min(max_len, units * (c + 1) / key_chunks * unit);
+        for (const Segment& seg : w.segments) {
+          const Segment part{std::max(seg.begin, k0), std::min(seg.end, k1), seg.ids};
+          if (part.begin >= part.end) continue;
+          segment_rows(kv_head, part, local);
+          score_block(part.ids, part.begin, local, stride);
+        }
+        for (int64_t q = 0; q < num_queries; ++q)
+          std::copy(local.scores.begin() + q * stride + k0, local.scores.begin() + q * stride + k1,
+                    w.scores.begin() + q * stride + k0);
+      }
+    });
+    normalize(stride, w);
+    const int64_t dim_units = head_dim / 64, dim_chunks = std::min(num_threads, dim_units);
+    at::parallel_for(0, dim_chunks, 1, [&](int64_t begin, int64_t end) {
+      Work local;
+      share_queries(w, local);
+      local.scores = w.scores;
+      local.weights_bf16 = w.weights_bf16;
+      local.accs.assign(w.accs.size(), 0.f);
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t d0 = dim_units * c / dim_chunks * 64, d1 = dim_units * (c + 1) / dim_chunks * 64;
+        for (const Segment& seg : w.segments) {
+          segment_rows(kv_head, seg, local);
+          sum_block(seg.ids, seg.begin, seg.end, local, stride, d0, d1 - d0);
+        }
+        for (int64_t q = 0; q < num_queries; ++q)
+          std::copy(local.accs.begin() + q * head_dim + d0, local.accs.begin() + q * head_dim + d1,
+                    w.accs.begin() + q * head_dim + d0);
+      }
+    });
+    write_out(w);
+  }
+
+  // What score_block and sum_block read of a task's queries, for another thread's Work.
+  static void share_queries(const Work& from, Work& to) {
+    to.lens = from.lens, to.firsts = from.firsts, to.seqs = from.seqs;
+    to.queries = from.queries, to.queries_bf16 = from.queries_bf16;
+  }
+
+  // The task's queries, its key segments and its buffers; returns the scores' row stride.
+  int64_t prepare(int64_t kv_head, const Part* parts, int64_t num_parts, Work& w) const {
     const int64_t group = num_heads / num_kv_heads;
     w.lens.clear(), w.firsts.clear(), w.seqs.clear(), w.rows.clear(), w.heads.clear(), w.queries.clear(), w.queries_bf16.clear();
     int64_t max_len = 0;
@@ -141,10 +215,12 @@ struct Attend {
     w.scores.resize(num_queries * stride);  // every key up to a query's length is scored; past it, zeroed below
     w.accs.assign(num_queries * head_dim, 0.f);
     segment(max_len, w);
-    for (const Segment& seg : w.segments) {
-      segment_rows(kv_head, seg, w);
-      score_block(seg.ids, seg.begin, w, stride);
-    }
+    return stride;
+  }
+
+  // The scores as softmax weights (1 / their sum in inv_sums), zero outside each query's window.
+  void normalize(int64_t stride, Work& w) const {
+    const int64_t num_queries = static_cast<int64_t>(w.lens.size());
     w.inv_sums.resize(num_queries);
     if constexpr (Row::kIsPairs) {
       softmax_to_bf16(num_queries, stride, w);
@@ -157,11 +233,12 @@ struct Attend {
         std::fill(s + w.lens[q], s + stride, 0.f);  // nor past its own keys
       }
     }
-    for (const Segment& seg : w.segments) {  // in key order: each query's sum continues in order
-      segment_rows(kv_head, seg, w);
-      sum_block(seg.ids, seg.begin, seg.end, w, stride);
-    }
-    for (int64_t q = 0; q < num_queries; ++q) {  // written in the query's dtype (rounded once)
+  }
+
+  // Each query's weighted sum over its inv_sums, written in the query's dtype (rounded once).
+  void write_out(const Work& w) const {
+    const int64_t num_queries = static_cast<int64_t>(w.lens.size());
+    for (int64_t q = 0; q < num_queries; ++q) {
       const int64_t offset = (w.rows[q] * num_heads + w.heads[q]) * head_dim;
       const float* acc = w.accs.data() + q * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) {
@@ -354,7 +431,10 @@ struct Attend {
     }
   }
 
-  void sum_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride) const {
+  // The weighted sums of output values d0 .. d0 + dims (the whole row: 0, head_dim; a cut of it:
+  // multiples of 64, unscaled rows only) over this segment's keys.
+  void sum_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride, int64_t d0,
+                 int64_t dims) const {
     const int64_t n = end - begin, num = static_cast<int64_t>(ids.size());
     if constexpr (Row::kIsScaled) {  // 8-bit rows: their scale goes onto the weights
       for (int64_t i = 0; i < n; ++i) {
@@ -362,44 +442,57 @@ struct Attend {
         for (int64_t q : ids) w.scores[q * stride + begin + i] *= v_scale;
       }
     }
+    if (d0 > 0)
+      for (const uint8_t*& row : w.v_rows) row += Row::bytes(d0);
     w.weights.resize(num);
     w.acc_rows.resize(num);
     for (int64_t j = 0; j < num; ++j) {
       w.weights[j] = w.scores.data() + ids[j] * stride + begin;
-      w.acc_rows[j] = w.accs.data() + ids[j] * head_dim;
+      w.acc_rows[j] = w.accs.data() + ids[j] * head_dim + d0;
     }
     if constexpr (Row::kIsPairs) {  // begin is even: pairs start on it
       w.weight_pairs.resize(num);
       for (int64_t j = 0; j < num; ++j)
         w.weight_pairs[j] = reinterpret_cast<const uint32_t*>(w.weights_bf16.data() + ids[j] * stride + begin);
       for (int64_t j = 0; j < num; j += 4)
-        weighted_sum_bf16_up_to_4<typename Row::Pairs>(w.weight_pairs.data() + j, w.v_rows.data(), n, head_dim,
+        weighted_sum_bf16_up_to_4<typename Row::Pairs>(w.weight_pairs.data() + j, w.v_rows.data(), n, dims,
                                                        std::min<int64_t>(4, num - j), w.acc_rows.data() + j,
                                                        prefetch_to_l2);
     } else if (kHasAvx512 && head_dim % 64 == 0) {
       const bool widen = num > 4 && !Row::kIsFloat32;  // several passes read them
-      if (widen) widen_rows<Row>(w.v_rows.data(), n, head_dim, w.v_widened, w.v_wide, prefetch_to_l2);
+      if (widen) widen_rows<Row>(w.v_rows.data(), n, dims, w.v_widened, w.v_wide, prefetch_to_l2);
       for (int64_t j = 0; j < num; j += 4) {
         const int64_t count = std::min<int64_t>(4, num - j);
         if (widen)
-          weighted_sum_wide_up_to_4<FloatRow>(w.weights.data() + j, w.v_wide.data(), n, head_dim, count,
+          weighted_sum_wide_up_to_4<FloatRow>(w.weights.data() + j, w.v_wide.data(), n, dims, count,
                                               w.acc_rows.data() + j, prefetch_to_l2);
         else
-          weighted_sum_wide_up_to_4<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, count,
+          weighted_sum_wide_up_to_4<Row>(w.weights.data() + j, w.v_rows.data(), n, dims, count,
                                          w.acc_rows.data() + j, prefetch_to_l2);
       }
     } else {
       for (int64_t j = 0; j < num; j += kLanes)
-        weighted_sum_up_to_8<Row>(w.weights.data() + j, w.v_rows.data(), n, head_dim, std::min(kLanes, num - j),
+        weighted_sum_up_to_8<Row>(w.weights.data() + j, w.v_rows.data(), n, dims, std::min(kLanes, num - j),
                                   w.acc_rows.data() + j, prefetch_to_l2);
     }
   }
 };
 
 // tasks: the parts of each task, as [first, last) ranges of `parts`; one task per range and KV head.
+// Fewer tasks than threads, all decodes (one request on a model with one KV head): each task in
+// turn, cut over the threads, where its rows allow; the values are the same either way.
 template <typename Row>
 void attend(const Attend<Row>& attend, const std::vector<Part>& parts, const std::vector<int64_t>& task_starts) {
-  const int64_t num_tasks = static_cast<int64_t>(task_starts.size()) - 1;
+  const int64_t num_tasks = static_cast<int64_t>(task_starts.size()) - 1, num_threads = at::get_num_threads();
+  const bool all_decodes = std::all_of(parts.begin(), parts.end(), [](const Part& part) { return part.num_rows == 1; });
+  if (num_tasks * attend.num_kv_heads < num_threads && all_decodes && attend.splits()) {
+    typename Attend<Row>::Work work;
+    for (int64_t task = 0; task < num_tasks * attend.num_kv_heads; ++task) {
+      const int64_t kv_head = task / num_tasks, i = task % num_tasks;
+      attend.run_split(kv_head, parts.data() + task_starts[i], task_starts[i + 1] - task_starts[i], work, num_threads);
+    }
+    return;
+  }
   at::parallel_for(0, num_tasks * attend.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     typename Attend<Row>::Work work;
     for (int64_t task = begin; task < end; ++task) {
