@@ -226,14 +226,15 @@ def test_decodes_sharing_a_prefix_keep_their_own_window(window):
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_decodes_fewer_than_the_threads_are_cut_over_them_with_the_same_bits(
     cache_dtype, head_dim, block_size, window
 ):
     """One KV head (Gemma-3-1B's layout): one request's decode, or two sharing prefix blocks, is
     one task, so the kernel cuts its keys (scores) and its 64-value output ranges (weighted sums)
-    over the threads. Each output is bit for bit what one thread computes, and what the request
-    gets beside another request of its own; and it is the PyTorch path's, window included."""
+    over the threads, for every cache dtype. Each output is bit for bit what one thread computes,
+    and what the request gets beside another request of its own; and it is the PyTorch path's,
+    window included."""
     assert cpu_ops.is_built()
     gen = torch.Generator().manual_seed(head_dim + block_size)
     group, shared, max_blocks = 4, 3, -(-601 // block_size)
@@ -242,6 +243,9 @@ def test_decodes_fewer_than_the_threads_are_cut_over_them_with_the_same_bits(
     query = torch.randn(3, group, head_dim, generator=gen)
     if cache_dtype in HALF_WIDTH:
         query, k, v = (x.to(HALF_WIDTH[cache_dtype]) for x in (query, k, v))
+    elif cache_dtype != "float32":  # 8-bit rows, their scale after the values
+        fmt = KV_CACHE_DTYPES[cache_dtype]
+        k, v = quantize(k, fmt).view(fmt), quantize(v, fmt).view(fmt)
     seq_lens = torch.tensor([601, 333, 90])
     own = torch.randperm(num_blocks - shared, generator=gen)[: 3 * max_blocks].view(3, max_blocks) + shared
     tables = torch.cat([torch.arange(shared).expand(3, shared), own[:, : max_blocks - shared]], dim=1)
@@ -265,9 +269,12 @@ def test_decodes_fewer_than_the_threads_are_cut_over_them_with_the_same_bits(
     assert torch.equal(sharing_cut, sharing_whole) and torch.equal(sharing_cut[:1], alone_whole)
     mask = (torch.arange(max_blocks * block_size)[None, :] < seq_lens[:2, None])[:, None, None, :]
     batch = DecodeBatch(torch.arange(2), tables[:2], seq_lens[:2], mask)
-    expected = decode_gathered(query[:2].float(), k.float(), v.float(), batch, head_dim**-0.5, window)
-    tolerance = 2e-5 if cache_dtype == "float32" else 1e-2
-    torch.testing.assert_close(sharing_cut.float(), expected, atol=tolerance, rtol=tolerance)
+    if cache_dtype in HALF_WIDTH:
+        expected = decode_gathered(query[:2].float(), k.float(), v.float(), batch, head_dim**-0.5, window)
+        torch.testing.assert_close(sharing_cut.float(), expected, atol=1e-2, rtol=1e-2)
+    else:
+        expected = decode_gathered(query[:2], k, v, batch, head_dim**-0.5, window)
+        torch.testing.assert_close(sharing_cut, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])

@@ -119,8 +119,8 @@ struct Attend {
     write_out(w);
   }
 
-  // Whether run_split can take this kind of row: its rows can be cut by 64 values (no scale after them).
-  bool splits() const { return !Row::kIsScaled && head_dim % 64 == 0; }
+  // Whether run_split can cut this task's output rows: by 64 values.
+  bool splits() const { return head_dim % 64 == 0; }
 
   // run() for a task alone on the machine (one decode of a model with one KV head, say), its
   // work cut over `num_threads` with every value computed as run() computes it: the scores by
@@ -154,11 +154,11 @@ struct Attend {
     at::parallel_for(0, dim_chunks, 1, [&](int64_t begin, int64_t end) {
       Work local;
       share_queries(w, local);
-      local.scores = w.scores;
       local.weights_bf16 = w.weights_bf16;
       local.accs.assign(w.accs.size(), 0.f);
       for (int64_t c = begin; c < end; ++c) {
         const int64_t d0 = dim_units * c / dim_chunks * 64, d1 = dim_units * (c + 1) / dim_chunks * 64;
+        local.scores = w.scores;  // afresh: sum_block scales them by 8-bit rows' scales
         for (const Segment& seg : w.segments) {
           segment_rows(kv_head, seg, local);
           sum_block(seg.ids, seg.begin, seg.end, local, stride, d0, d1 - d0);
@@ -432,7 +432,7 @@ struct Attend {
   }
 
   // The weighted sums of output values d0 .. d0 + dims (the whole row: 0, head_dim; a cut of it:
-  // multiples of 64, unscaled rows only) over this segment's keys.
+  // multiples of 64) over this segment's keys.
   void sum_block(const std::vector<int64_t>& ids, int64_t begin, int64_t end, Work& w, int64_t stride, int64_t d0,
                  int64_t dims) const {
     const int64_t n = end - begin, num = static_cast<int64_t>(ids.size());
@@ -443,7 +443,7 @@ struct Attend {
       }
     }
     if (d0 > 0)
-      for (const uint8_t*& row : w.v_rows) row += Row::bytes(d0);
+      for (const uint8_t*& row : w.v_rows) row += Row::offset(d0);
     w.weights.resize(num);
     w.acc_rows.resize(num);
     for (int64_t j = 0; j < num; ++j) {

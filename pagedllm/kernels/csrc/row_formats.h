@@ -2,6 +2,7 @@
 // values) for one KV head: head_dim values, and for 8-bit formats a float16 scale after them
 // (x_d = value_d * scale). Each format says:
 //   bytes(head_dim)        a row's size in the cache
+//   offset(d)              where value d starts in a row
 //   scale(row, head_dim)   its scale (1 where there is none); the kernel applies it to sums, not
 //                          to each value (q . x = scale * (q . values))
 //   load8 / load16(row, d) values d .. d + 7 / d + 15 as float32
@@ -30,6 +31,7 @@ template <typename T>
 struct UnscaledRow {
   static constexpr bool kIsFloat32 = std::is_same_v<T, float>, kIsScaled = false, kIsPairs = false;
   static int64_t bytes(int64_t head_dim) { return head_dim * static_cast<int64_t>(sizeof(T)); }
+  static int64_t offset(int64_t d) { return d * static_cast<int64_t>(sizeof(T)); }
   static float scale(const uint8_t* /*row*/, int64_t /*head_dim*/) { return 1.f; }
   static FloatVec8 load8(const uint8_t* row, int64_t d) { return FloatVec8::load(reinterpret_cast<const T*>(row) + d); }
   static FloatVec16 load16(const uint8_t* row, int64_t d) { return FloatVec16::load(reinterpret_cast<const T*>(row) + d); }
@@ -50,6 +52,7 @@ struct BFloat16PairRow : UnscaledRow<c10::BFloat16> {
 struct ScaledRow {
   static constexpr bool kIsFloat32 = false, kIsScaled = true, kIsPairs = false;
   static int64_t bytes(int64_t head_dim) { return head_dim + 2; }
+  static int64_t offset(int64_t d) { return d; }
   static float scale(const uint8_t* row, int64_t head_dim) {
     c10::Half scale;
     std::memcpy(&scale, row + head_dim, sizeof(scale));
