@@ -70,11 +70,11 @@ class ModelConfig:
             )
         num_heads = config["num_attention_heads"]
         rope_scaling, rope_theta = _rope_settings(config)
-        gemma = _gemma3_settings(config) if arch == "Gemma3ForCausalLM" else {}
-        if gemma:
-            rope_scaling, rope_theta = gemma.pop("rope_scaling"), gemma.pop("rope_theta")
+        if arch == "Gemma3ForCausalLM":  # its own fields, its windows and rope bases among them
+            own_fields = _gemma3_settings(config)
+            rope_scaling, rope_theta = own_fields.pop("rope_scaling"), own_fields.pop("rope_theta")
         else:
-            gemma["layer_windows"] = _layer_windows(arch, config)
+            own_fields = {"layer_windows": _layer_windows(arch, config)}
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -94,7 +94,7 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_eos_ids(config, generation_config or {}),
             rope_freq_factors=tuple(config["rope_freq_factors"]) if "rope_freq_factors" in config else None,
-            **gemma,
+            **own_fields,
         )
 
     @classmethod
