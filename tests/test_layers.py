@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers import choose_impls
+from pagedllm.layers import bind_attributes, choose_impls
 from pagedllm.layers.activation import SiluAndMul, silu_and_mul_torch
 from pagedllm.layers.layernorm import RMSNorm, add_rms_norm_float32, add_rms_norm_torch
 from pagedllm.layers.linear import Linear, MergedColumnParallelLinear, cpu_linear, onednn_linear
@@ -82,3 +82,19 @@ def test_a_merged_projection_places_each_checkpoint_tensor_at_its_rows():
     assert torch.equal(layer.weight.data, torch.cat(parts))
     with pytest.raises(ValueError, match="shape"):
         layer.weight_loader(layer.weight, torch.zeros(3, 4), 1)
+
+
+def test_bound_attributes_read_as_the_module_holds_them_and_follow_reassignment():
+    model = torch.nn.Sequential(MergedColumnParallelLinear(64, [32, 32], False, None), SiluAndMul())
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    bind_attributes(model)
+    proj = model[0]
+    assert proj.__dict__["weight"] is proj._parameters["weight"] and model.__dict__["0"] is proj
+    assert proj.bias is None and list(model.state_dict()) == list(before)
+    x = torch.randn(3, 64)
+    gate, up = F.linear(x, before["0.weight"]).chunk(2, dim=-1)
+    assert torch.equal(model(x), F.silu(gate) * up)
+    proj.weight = torch.nn.Parameter(torch.zeros(64, 64))  # reassigned: the new one is read
+    assert proj.weight is proj._parameters["weight"] and torch.equal(model(x), torch.zeros(3, 32))
+    model[1] = torch.nn.Identity()  # likewise a submodule
+    assert isinstance(model[1], torch.nn.Identity) and torch.equal(model(x), torch.zeros(3, 64))

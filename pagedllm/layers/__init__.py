@@ -39,3 +39,17 @@ def choose_impls(
         elif isinstance(module, ChoosesImpl):
             module.choose_impl(device, dtype)
     dispatch.log_summary()
+
+
+def bind_attributes(model: nn.Module) -> None:
+    """Put every module's submodules and parameters in its instance __dict__ as well, once its
+    layers have chosen: nn.Module keeps them in side dicts that Python reaches only through
+    Module.__getattr__, a fallback in Python run on every `self.qkv_proj` or `self.weight`, tens
+    of times per layer per step; an entry in __dict__ is found before that fallback. The side
+    dicts stay as they are (state_dict, modules(), parameters() read them). Assigning a module or
+    parameter through Module.__setattr__ removes the __dict__ entry of that name, so a new one
+    is seen; setting one to None or deleting it would leave the entry, and nothing does either
+    once a model is prepared. Buffers are left out (their reassignment keeps the entry)."""
+    for module in model.modules():
+        module.__dict__.update(module._modules)
+        module.__dict__.update(module._parameters)

@@ -26,7 +26,7 @@ from pagedllm.attention.backend import Attention, CosSin, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import LinearBackend
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers import choose_impls
+from pagedllm.layers import bind_attributes, choose_impls
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.layernorm import RMSNorm
@@ -136,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and table is not None:
             self.lm_head.tie_quantized(table)
         choose_impls(self, self.norm.weight.device, dtype, linear_backend)
+        bind_attributes(self)
         return self.lm_head.packed_copy_bytes
 
     def forward(
