@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 namespace {
 
@@ -72,6 +73,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }
 
 }  // namespace
+
+at::Tensor pagedllm_ops::argmax_rows(const at::Tensor& logits) { return ::argmax_rows(logits); }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");

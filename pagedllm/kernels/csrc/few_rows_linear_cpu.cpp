@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstring>
@@ -233,6 +234,11 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed, const 
 }
 
 }  // namespace
+
+at::Tensor pagedllm_ops::few_rows_linear(const at::Tensor& x, const at::Tensor& packed,
+                                         const std::optional<at::Tensor>& bias) {
+  return ::few_rows_linear(x, packed, bias);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("few_rows_linear_available(str dtype) -> bool", &available);

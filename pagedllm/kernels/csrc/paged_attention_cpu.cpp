@@ -41,6 +41,7 @@
 
 #include "attention_rows.h"
 #include "cpu_types.h"
+#include "ops.h"
 #include "row_formats.h"
 #include "vec_math.h"
 
@@ -618,6 +619,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
 }
 
 }  // namespace
+
+at::Tensor pagedllm_ops::paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                         const at::Tensor& seq_lens, double scale, bool prefetch_to_l2, int64_t window) {
+  return ::paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, prefetch_to_l2,
+                           window);
+}
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

@@ -45,6 +45,7 @@
 #include <torch/library.h>
 
 #include "cpu_types.h"
+#include "ops.h"
 #include "quant_linear_layout.h"
 
 #include <algorithm>
@@ -489,6 +490,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
 }
 
 }  // namespace
+
+at::Tensor pagedllm_ops::quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n,
+                                      int64_t k, const std::optional<at::Tensor>& bias, int64_t stream_ahead) {
+  return ::quant_linear(x, packed, bits, n, k, bias, stream_ahead);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_linear_available() -> bool", &available);
