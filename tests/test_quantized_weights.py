@@ -67,6 +67,21 @@ def test_gguf_rows_pack_as_their_read_out_blocks(qtype):
     assert torch.equal(packed, cpu_ops.pack_quant_linear(weight.q, weight.scales, weight.mins, weight.bits))
 
 
+@pytest.mark.skipif(not cpu_ops.is_built(), reason="no C++ kernels on this build")
+@pytest.mark.parametrize("qtype", [KIND.Q8_0, KIND.Q4_0, KIND.Q4_1, KIND.Q4_K, KIND.Q5_K, KIND.Q6_K])
+def test_looked_up_gguf_rows_read_out_as_their_blocks_dequantized(qtype):
+    """An embedding held as the file stores it: the C++ lookup gives each row's values bit for bit
+    as the blocks read out in Python and dequantized, in any order, repeated; a bad id is refused."""
+    rows, columns = 40, 512
+    raw = _random_blocks(qtype, rows, columns, seed=3)
+    table = read_tensor(_gguf_tensor(raw, qtype, rows, columns))
+    ids = torch.tensor([7, 0, 39, 7, 12])
+    got = cpu_ops.gguf_rows(torch.from_numpy(raw), ids, qtype.name, columns)
+    assert torch.equal(got, table.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="not a row"):
+        cpu_ops.gguf_rows(torch.from_numpy(raw), torch.tensor([rows]), qtype.name, columns)
+
+
 def test_other_block_formats_are_widened_to_8_bits():
     rows, columns = 32, 256
     weight = np.random.default_rng(1).normal(0, 0.02, size=(rows, columns)).astype(np.float32)

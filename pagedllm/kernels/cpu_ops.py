@@ -369,6 +369,13 @@ def pack_gguf_linear(raw: torch.Tensor, gguf_format: str, k: int) -> torch.Tenso
     return torch.ops.pagedllm.pack_gguf_linear(raw, gguf_format, k)
 
 
+def gguf_rows(raw: torch.Tensor, ids: torch.Tensor, gguf_format: str, k: int) -> torch.Tensor:
+    """Rows `ids` of a GGUF tensor held as stored (uint8 [V, row bytes], one of
+    GGUF_PACKED_FORMATS) as float32 [len(ids), k]: an embedding's lookup, the values
+    BlockQuantized.dequantize gives for the same rows (csrc/gguf_pack_cpu.cpp)."""
+    return _ops().gguf_rows(raw, ids, gguf_format, k)
+
+
 QUANT_STREAM_AHEAD = 4096
 """quant_linear's default prefetch distance (bytes) for the weights it streams from memory."""
 

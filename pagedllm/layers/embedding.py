@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import Loaded, copy_weight
 from pagedllm.layers.quantization import BLOCK, BlockQuantized
 
@@ -21,11 +22,14 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.hidden_size = hidden_size
         self.quantized: BlockQuantized | None = None
         """The table as loaded, when the checkpoint kept it quantized (a tied head packs it too)."""
         self.weight_format = ""
         self.decode: Callable[[torch.Tensor], BlockQuantized] | None = None
         """How the file's rows (self.raw) read out, where the table is held as the file stores it."""
+        self.encoding = ""
+        """The file's format, where cpu_ops.gguf_rows reads its rows out instead of decode."""
         self._dtype = torch.float32
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
@@ -51,6 +55,9 @@ class VocabEmbedding(nn.Module):
         if encoded is not None:  # a copy: the mapped file is let go once every layer has packed
             self.raw = nn.Parameter(encoded.raw.clone().to(device), requires_grad=False)
             self.decode = encoded.decode
+            # on CPU one C++ pass reads the looked-up rows out (a dozen tensor ops otherwise)
+            if cpu_ops.serves_layer_ops(device, dtype) and encoded.encoding in cpu_ops.GGUF_PACKED_FORMATS:
+                self.encoding = encoded.encoding
             table.release_file_pages()
         else:
             codes = table.q.view(torch.uint8) if table.bits == 8 else _pack_nibbles(table.q)
@@ -73,6 +80,8 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.weight_format:
             return nn.functional.embedding(input_ids, self.weight)
+        if self.encoding:
+            return cpu_ops.gguf_rows(self.raw, input_ids, self.encoding, self.hidden_size).to(self._dtype)
         if self.decode is not None:
             return self.decode(self.raw.index_select(0, input_ids)).dequantize(self._dtype)
         codes = self.codes.index_select(0, input_ids)

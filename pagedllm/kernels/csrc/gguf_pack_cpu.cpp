@@ -15,6 +15,11 @@
 //   Q6_K 210 bytes per 256: 6-bit codes with an int8 scale per 16 values, a float16 d last: its
 //        values quantized again to 8 bits per 32 (symmetric, round to nearest even), as
 //        model/gguf_weights.py reads it: a rounding far below the format's own
+//
+// gguf_rows(raw, ids [M] int64, format, k) -> rows ids of such a tensor as float32 [M, k] (an
+// embedding's lookup), each value (q - zero point) * scale + min from the same blocks as packed:
+// the product is exact (a code of at most 8 bits times a scale of at most 17), so the value is
+// the one rounding of the sum, as BlockQuantized.dequantize computes it.
 // Q4_0's and Q4_1's 16 bytes hold codes k and k + 16 in byte k's low and high halves: exactly the
 // 4-bit layout's pairing, so their bytes are copied as they are.
 
@@ -23,6 +28,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "quant_linear_layout.h"
 
 #include <algorithm>
@@ -194,9 +200,47 @@ at::Tensor pack_gguf_linear(const at::Tensor& raw, const std::string& format, in
   return packed;
 }
 
+at::Tensor gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::string& format, int64_t k) {
+  const FormatInfo f = format_info(format);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && k > 0 &&
+                  k % f.block_values == 0 && raw.size(1) == k / f.block_values * f.block_bytes,
+              "gguf_rows: raw must be contiguous uint8 [V, ", k / f.block_values * f.block_bytes, "] for ", format,
+              " rows of ", k, " values");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "gguf_rows: ids must be int64 [M]");
+  const at::Tensor index = ids.contiguous();
+  const int64_t m = index.size(0), vocab = raw.size(0), row_bytes = raw.size(1), blocks = k / kBlock;
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "gguf_rows: id ", id[i], " is not a row of the ", vocab);
+  at::Tensor out = at::empty({m, k}, raw.options().dtype(at::kFloat));
+  float* values = out.data_ptr<float>();
+  const uint8_t* rows = raw.data_ptr<uint8_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    Block32 block;
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        read_block(f, rows + id[i] * row_bytes, b, block);
+        float* v = values + i * k + b * kBlock;
+        for (int j = 0; j < kBlock; ++j) {
+          const int q = f.bits == 4 ? (j < 16 ? block.bytes[j] & 0x0F : block.bytes[j - 16] >> 4)
+                                    : static_cast<int>(block.bytes[j]) - 128;
+          v[j] = static_cast<float>(q - f.zero_point) * block.scale + block.min;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
+at::Tensor pagedllm_ops::gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::string& format, int64_t k) {
+  return ::gguf_rows(raw, ids, format, k);
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("gguf_rows(Tensor raw, Tensor ids, str format, int k) -> Tensor");
+  m.impl("gguf_rows", c10::DispatchKey::CPU, &gguf_rows);
   m.def("pack_gguf_linear(Tensor raw, str format, int k) -> Tensor");
   m.impl("pack_gguf_linear", c10::DispatchKey::CPU, &pack_gguf_linear);
 }

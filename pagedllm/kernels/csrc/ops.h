@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace pagedllm_ops {
@@ -27,5 +28,6 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed, const 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
                         const std::optional<at::Tensor>& bias, int64_t stream_ahead);
 at::Tensor argmax_rows(const at::Tensor& logits);
+at::Tensor gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::string& format, int64_t k);
 
 }  // namespace pagedllm_ops
