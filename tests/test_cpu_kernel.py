@@ -28,6 +28,18 @@ def test_the_loaded_build_keeps_its_name():
     assert cpu_ops._is_cached(cpu_ops.build_name())
 
 
+def test_direct_calls_refuse_tensors_off_the_cpu():
+    """The kernels called without torch.ops' dispatcher check the device themselves: a tensor
+    elsewhere (meta here, CUDA on a GPU host) is refused with a clear error, never read."""
+    off = torch.empty(2, 64, device="meta")
+    with pytest.raises(RuntimeError, match="add_rms_norm: CPU tensors only"):
+        cpu_ops.add_rms_norm(torch.zeros(2, 64), off, torch.ones(64), 1e-6)
+    with pytest.raises(RuntimeError, match="silu_and_mul: CPU tensors only"):
+        cpu_ops.silu_and_mul(off)
+    with pytest.raises(RuntimeError, match="quant_linear: CPU tensors only"):
+        cpu_ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.uint8), 4, 64, 64, off[0])
+
+
 def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch, request):
     """Two trees with the same sources share one build; a tree whose sources differ (another
     checkout, another branch) gets its own, instead of rebuilding over the other's at each start."""

@@ -74,7 +74,10 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 }  // namespace
 
-at::Tensor pagedllm_ops::argmax_rows(const at::Tensor& logits) { return ::argmax_rows(logits); }
+at::Tensor pagedllm_ops::argmax_rows(const at::Tensor& logits) {
+  require_cpu("argmax_rows", {logits});
+  return ::argmax_rows(logits);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");

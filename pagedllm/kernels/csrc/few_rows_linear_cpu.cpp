@@ -237,6 +237,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed, const 
 
 at::Tensor pagedllm_ops::few_rows_linear(const at::Tensor& x, const at::Tensor& packed,
                                          const std::optional<at::Tensor>& bias) {
+  require_cpu("few_rows_linear", {x, packed, or_undefined(bias)});
   return ::few_rows_linear(x, packed, bias);
 }
 

@@ -235,6 +235,7 @@ at::Tensor gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::st
 }  // namespace
 
 at::Tensor pagedllm_ops::gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::string& format, int64_t k) {
+  require_cpu("gguf_rows", {raw, ids});
   return ::gguf_rows(raw, ids, format, k);
 }
 

@@ -280,19 +280,28 @@ at::Tensor act_and_mul(const at::Tensor& gate_up) {
 std::tuple<at::Tensor, at::Tensor> pagedllm_ops::add_rms_norm(const at::Tensor& x,
                                                               const std::optional<at::Tensor>& residual,
                                                               const at::Tensor& weight, double eps) {
+  require_cpu("add_rms_norm", {x, or_undefined(residual), weight});
   return ::add_rms_norm(x, residual, weight, eps);
 }
 at::Tensor pagedllm_ops::rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
                                          int64_t num_heads, int64_t num_kv_heads, double eps) {
+  require_cpu("rms_norm_heads_", {qkv, q_weight, k_weight});
   return ::rms_norm_heads_(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps);
 }
 at::Tensor pagedllm_ops::rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                          const at::Tensor& slot_mapping, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, int64_t num_heads, int64_t num_kv_heads) {
+  require_cpu("rotary_write_kv", {qkv, cos, sin, slot_mapping, k_cache, v_cache});
   return ::rotary_write_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads);
 }
-at::Tensor pagedllm_ops::silu_and_mul(const at::Tensor& gate_up) { return act_and_mul<Silu>(gate_up); }
-at::Tensor pagedllm_ops::gelu_tanh_and_mul(const at::Tensor& gate_up) { return act_and_mul<GeluTanh>(gate_up); }
+at::Tensor pagedllm_ops::silu_and_mul(const at::Tensor& gate_up) {
+  require_cpu("silu_and_mul", {gate_up});
+  return act_and_mul<Silu>(gate_up);
+}
+at::Tensor pagedllm_ops::gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  require_cpu("gelu_tanh_and_mul", {gate_up});
+  return act_and_mul<GeluTanh>(gate_up);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");

@@ -6,11 +6,25 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
 
 namespace pagedllm_ops {
+
+// torch.ops' dispatcher refuses tensors on another device before a CPU kernel sees them; a
+// direct call checks for itself (a kernel would read device memory as host memory).
+inline void require_cpu(const char* op, std::initializer_list<std::reference_wrapper<const at::Tensor>> tensors) {
+  for (const at::Tensor& t : tensors)
+    TORCH_CHECK(!t.defined() || t.device().is_cpu(), op, ": CPU tensors only, not one on ", t.device());
+}
+
+inline const at::Tensor& or_undefined(const std::optional<at::Tensor>& t) {
+  static const at::Tensor undefined;
+  return t.has_value() ? *t : undefined;
+}
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,

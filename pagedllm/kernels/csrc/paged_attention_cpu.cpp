@@ -623,6 +623,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
 at::Tensor pagedllm_ops::paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                          const at::Tensor& seq_lens, double scale, bool prefetch_to_l2, int64_t window) {
+  require_cpu("paged_attention", {query, k_cache, v_cache, block_tables, query_start_loc, seq_lens});
   return ::paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, prefetch_to_l2,
                            window);
 }

@@ -493,6 +493,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
 
 at::Tensor pagedllm_ops::quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n,
                                       int64_t k, const std::optional<at::Tensor>& bias, int64_t stream_ahead) {
+  require_cpu("quant_linear", {x, packed, or_undefined(bias)});
   return ::quant_linear(x, packed, bits, n, k, bias, stream_ahead);
 }
 
