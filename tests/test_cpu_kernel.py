@@ -40,6 +40,25 @@ def test_direct_calls_refuse_tensors_off_the_cpu():
         cpu_ops.quant_linear(torch.zeros(1, 64), torch.zeros(64, dtype=torch.uint8), 4, 64, 64, off[0])
 
 
+def test_the_kernels_through_the_dispatcher_answer_as_through_their_bindings():
+    """Where the bindings cannot be compiled (no Python headers) the same kernels are called
+    through torch.ops: every bound kernel is there by the same name, with the same answers."""
+    assert cpu_ops.is_built()
+    dispatched, direct = cpu_ops._dispatched_ops(), cpu_ops._ops()
+    assert all(hasattr(direct, op) and hasattr(dispatched, op) for op in cpu_ops._BOUND_OPS)
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    weight = torch.randn(64, generator=gen).bfloat16()
+    for got, want in zip(
+        dispatched.add_rms_norm(x, residual, weight, 1e-6),
+        direct.add_rms_norm(x, residual, weight, 1e-6),
+        strict=True,
+    ):
+        assert torch.equal(got, want)
+    gate_up = torch.randn(3, 128, generator=gen)
+    assert torch.equal(dispatched.silu_and_mul(gate_up), direct.silu_and_mul(gate_up))
+
+
 def test_the_build_is_named_after_its_sources(tmp_path, monkeypatch, request):
     """Two trees with the same sources share one build; a tree whose sources differ (another
     checkout, another branch) gets its own, instead of rebuilding over the other's at each start."""

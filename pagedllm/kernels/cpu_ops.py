@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -127,13 +127,29 @@ def _staged_sources(name: str) -> list[Path]:
     return [staged / source.name for source in _SOURCES]
 
 
+_BINDINGS = "python_bindings.cpp"
+_BOUND_OPS = (
+    "paged_attention",
+    "add_rms_norm",
+    "rms_norm_heads_",
+    "rotary_write_kv",
+    "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "few_rows_linear",
+    "quant_linear",
+    "argmax_rows",
+    "gguf_rows",
+)
+"""The kernels python_bindings.cpp binds directly (csrc/ops.h), by the names torch.ops knows them by."""
+
+
 @functools.cache
-def _library() -> ModuleType | None:
+def _library() -> ModuleType | SimpleNamespace | None:
     """Build (or load the cached build of) the kernels once per process: the module of their
     direct bindings (csrc/python_bindings.cpp), with every kernel also registered as
-    torch.ops.pagedllm.*; None if it cannot be built."""
-    from torch.utils import cpp_extension
-
+    torch.ops.pagedllm.*. Where the bindings cannot be compiled (no Python headers: Debian's
+    python3-dev), the kernels alone, built under a name of their own and called through torch.ops.
+    None if neither builds."""
     name = build_name()
     building = not _is_cached(name)
     if building:
@@ -142,19 +158,39 @@ def _library() -> ModuleType | None:
         )
     started = time.perf_counter()
     try:
-        library = cpp_extension.load(
-            name=name,
-            sources=[str(source) for source in _staged_sources(name)],
-            extra_cflags=list(_CFLAGS),  # copies: torch appends its own flags to the lists it is given,
-            extra_ldflags=list(_LDFLAGS),  # which would change build_name() once the library is loaded
-            is_python_module=True,
-        )
-    except (OSError, RuntimeError, ImportError) as err:  # no compiler or ninja, or a failed build
-        logger.warning("CPU attention kernel unavailable, decoding with PyTorch ops instead: %s", err)
-        return None
+        library = _load(name, _staged_sources(name), python_module=True)
+    except (OSError, RuntimeError, ImportError) as err:  # no compiler or ninja, no headers, a failed build
+        kernels_only = f"{name}_dispatched"
+        sources = [source for source in _staged_sources(kernels_only) if source.name != _BINDINGS]
+        try:
+            _load(kernels_only, sources, python_module=False)
+        except (OSError, RuntimeError) as kernels_err:
+            logger.warning(
+                "CPU attention kernel unavailable, decoding with PyTorch ops instead: %s", kernels_err
+            )
+            return None
+        logger.warning("CPU kernels built without their direct bindings (%s); called through torch.ops", err)
+        return _dispatched_ops()
     if building:
         logger.info("CPU kernels built in %.1f s (%s)", time.perf_counter() - started, name)
     return library
+
+
+def _load(name: str, sources: list[Path], python_module: bool) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=name,
+        sources=[str(source) for source in sources],
+        extra_cflags=list(_CFLAGS),  # copies: torch appends its own flags to the lists it is given,
+        extra_ldflags=list(_LDFLAGS),  # which would change build_name() once the library is loaded
+        is_python_module=python_module,
+    )
+
+
+def _dispatched_ops() -> SimpleNamespace:
+    """_BOUND_OPS through torch.ops' dispatcher: the same kernels, about a microsecond more a call."""
+    return SimpleNamespace(**{op: getattr(torch.ops.pagedllm, op) for op in _BOUND_OPS})
 
 
 def is_built() -> bool:
@@ -162,9 +198,9 @@ def is_built() -> bool:
     return _library() is not None
 
 
-def _ops() -> ModuleType:
-    """The direct bindings of the kernels a step calls over and over (csrc/ops.h): a call through
-    them costs about a microsecond less than through torch.ops. Only called where is_built()."""
+def _ops() -> ModuleType | SimpleNamespace:
+    """The kernels a step calls over and over, through their direct bindings where they built
+    (a call costs about a microsecond less than through torch.ops). Only called where is_built()."""
     library = _library()
     assert library is not None
     return library
