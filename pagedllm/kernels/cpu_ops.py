@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import torch
 
@@ -128,23 +128,10 @@ def _staged_sources(name: str) -> list[Path]:
 
 
 _BINDINGS = "python_bindings.cpp"
-_BOUND_OPS = (
-    "paged_attention",
-    "add_rms_norm",
-    "rms_norm_heads_",
-    "rotary_write_kv",
-    "silu_and_mul",
-    "gelu_tanh_and_mul",
-    "few_rows_linear",
-    "quant_linear",
-    "argmax_rows",
-    "gguf_rows",
-)
-"""The kernels python_bindings.cpp binds directly (csrc/ops.h), by the names torch.ops knows them by."""
 
 
 @functools.cache
-def _library() -> ModuleType | SimpleNamespace | None:
+def _library() -> ModuleType | None:
     """Build (or load the cached build of) the kernels once per process: the module of their
     direct bindings (csrc/python_bindings.cpp), with every kernel also registered as
     torch.ops.pagedllm.*. Where the bindings cannot be compiled (no Python headers: Debian's
@@ -170,7 +157,7 @@ def _library() -> ModuleType | SimpleNamespace | None:
             )
             return None
         logger.warning("CPU kernels built without their direct bindings (%s); called through torch.ops", err)
-        return _dispatched_ops()
+        return torch.ops.pagedllm  # the same names, through the dispatcher
     if building:
         logger.info("CPU kernels built in %.1f s (%s)", time.perf_counter() - started, name)
     return library
@@ -188,17 +175,12 @@ def _load(name: str, sources: list[Path], python_module: bool) -> ModuleType | N
     )
 
 
-def _dispatched_ops() -> SimpleNamespace:
-    """_BOUND_OPS through torch.ops' dispatcher: the same kernels, about a microsecond more a call."""
-    return SimpleNamespace(**{op: getattr(torch.ops.pagedllm, op) for op in _BOUND_OPS})
-
-
 def is_built() -> bool:
     """Whether the kernels are built (building or loading them once per process)."""
     return _library() is not None
 
 
-def _ops() -> ModuleType | SimpleNamespace:
+def _ops() -> ModuleType:
     """The kernels a step calls over and over, through their direct bindings where they built
     (a call costs about a microsecond less than through torch.ops). Only called where is_built()."""
     library = _library()

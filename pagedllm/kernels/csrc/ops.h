@@ -1,6 +1,6 @@
 // The kernels' entry points that a decode step calls many times over, for python_bindings.cpp:
-// called through pybind11, a call costs about a microsecond less than through torch.ops' dispatcher,
-// which a 26-layer model pays ~13 times a layer per token. Each is the function its file
+// called through pybind11, a call costs less than through torch.ops' dispatcher, and a decode step
+// makes a dozen such calls a layer (docs/benchmarks.md). Each is the function its file
 // registers with torch.ops (same arguments, same checks); the files say what they compute.
 #pragma once
 
