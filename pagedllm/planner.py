@@ -93,7 +93,7 @@ def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
     up) plus its packed copy for a tied LM head, float tensors in `dtype`."""
     import gguf
 
-    from pagedllm.model.gguf_weights import read_tensor_directory
+    from pagedllm.model.gguf_file import read_tensor_directory
 
     tensors = read_tensor_directory(path)
     names = {tensor.name for tensor in tensors}

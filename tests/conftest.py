@@ -3,6 +3,7 @@ and what keeps test servers from outliving the test process."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import signal
 from dataclasses import dataclass
@@ -68,13 +69,19 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def reference() -> Reference:
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers' GGUF loader parses the file with the `gguf` package's reader three times
+        # and builds its tensor-name map once per tensor: seconds each, the same answers every time
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
     return Reference(model, tokenizer)
 
 

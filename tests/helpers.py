@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -409,6 +410,20 @@ GEMMA3_GGUF_LAYER_NAMES = GGUF_LAYER_NAMES | {
 }
 
 
+@functools.cache
+def _default_tokenizer_fields() -> list[tuple]:
+    """The default model's tokenizer metadata as (key, value, type, item type): read once, as the
+    `gguf` package's reader takes seconds over a vocabulary."""
+    import gguf
+
+    fields = []
+    for key, field in gguf.GGUFReader(str(default_model_path())).fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            fields.append((key, field.contents(), field.types[0], sub_type))
+    return fields
+
+
 def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     """A transformers Llama, Qwen3 or Gemma 3 `model` as llama.cpp lays out its GGUF, with the
     default model's tokenizer metadata. `types`: GGML type by GGUF tensor kind (token_embd, attn_q,
@@ -441,10 +456,8 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     else:
         rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
-    for key, field in gguf.GGUFReader(str(default_model_path())).fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for key, value, value_type, sub_type in _default_tokenizer_fields():
+        writer.add_key_value(key, value, value_type, sub_type)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not config.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"

@@ -15,9 +15,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from pagedllm.cache_dir import cache_root
+from pagedllm.model.gguf_file import GGUFContents, read_gguf
 
 CONVERTER_VERSION = "2"
 GGUF_SOURCE = "gguf_source.txt"
@@ -82,20 +84,16 @@ def converted_folder(gguf_path: str | Path) -> Path:
 def gguf_hf_config(gguf_path: str | Path) -> dict[str, Any]:
     """The config.json a GGUF converts to, without converting it: from the cached conversion when
     there is one, else from the metadata alone (the file is memory-mapped, no weight is read or
-    dequantized; parsing the tokenizer arrays still takes seconds, hence the cache first)."""
-    import gguf
-
+    dequantized)."""
     cached = _cache_folder(Path(gguf_path).resolve()) / "config.json"
     if cached.exists():
         return json.loads(cached.read_text())
-    return _config_of(gguf.GGUFReader(str(gguf_path)))
+    return _config_of(read_gguf(Path(gguf_path)))
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """config.json, the tokenizer files and GGUF_SOURCE into `out_dir`; no weights."""
-    import gguf
-
-    config = _config_of(gguf.GGUFReader(str(gguf_path)))
+    config = _config_of(read_gguf(gguf_path))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / GGUF_SOURCE).write_text(str(gguf_path))
     _save_tokenizer(gguf_path, out_dir, config["model_type"])
@@ -107,44 +105,26 @@ def gguf_source(folder: Path) -> Path | None:
     return Path(source.read_text()) if source.exists() else None
 
 
-def _config_of(reader: Any) -> dict[str, Any]:
-    metadata = _read_metadata(reader)
-    arch = metadata.get("general.architecture")
+def _config_of(contents: GGUFContents) -> dict[str, Any]:
+    arch = contents.metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; pagedllm reads {sorted(_ARCHITECTURES)}"
         )
-    config = _hf_config(metadata, arch, reader)
-    config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    config = _hf_config(contents, arch)
+    config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in contents.tensors)
     return config
 
 
-def _read_metadata(reader: Any) -> dict[str, Any]:
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in (
-            "tokens",
-            "scores",
-            "token_type",
-            "merges",
-        ):
-            continue  # large arrays, read by the tokenizer converter
-        try:
-            metadata[key] = field.contents()
-        except Exception:
-            continue
-    return metadata
-
-
-def _hf_config(md: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]:
-    p = f"{arch}."
+def _hf_config(contents: GGUFContents, arch: str) -> dict[str, Any]:
+    md, p = contents.metadata, f"{arch}."
     num_heads = int(md[p + "attention.head_count"])
     hidden = int(md[p + "embedding_length"])
     # Qwen3 states head_dim (key_length), which need not be hidden / heads
     head_dim = int(
         md.get(p + "attention.key_length") or md.get(p + "rope.dimension_count") or hidden // num_heads
     )
-    vocab = md.get(p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = md.get(p + "vocab_size") or contents.array_lengths["tokenizer.ggml.tokens"]
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -169,9 +149,9 @@ def _hf_config(md: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]:
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
     if arch == "gemma3":
         config |= _gemma3_config(md, config)
-    for tensor in reader.tensors:
+    for tensor in contents.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1+: per-frequency divisors
-            config["rope_freq_factors"] = [float(x) for x in np.asarray(tensor.data, dtype=np.float32)]
+            config["rope_freq_factors"] = [float(x) for x in gguf.dequantize(tensor.data, tensor.tensor_type)]
     return config
 
 

@@ -18,11 +18,7 @@ rotary layout; that is undone here, by rows, on the codes as on floats.
 
 from __future__ import annotations
 
-import functools
-import mmap
-import struct
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,95 +29,9 @@ import torch
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, EncodedRows, quantize
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import hf_tensor_name, unpermute_rotary_rows
+from pagedllm.model.gguf_file import read_tensor_directory
 
 Weight = torch.Tensor | BlockQuantized
-
-
-@dataclass
-class GGUFTensor:
-    """One tensor of a GGUF file: its raw bytes (a view of the mapped file) and how to read them."""
-
-    name: str
-    tensor_type: gguf.GGMLQuantizationType
-    shape: tuple[int, ...]
-    """GGUF's order: the row length first."""
-    data: np.ndarray
-    release: Callable[[], None] = lambda: None
-    """Let the memory holding these bytes go (they are read from the file again if used)."""
-
-
-def read_tensor_directory(gguf_path: Path) -> list[GGUFTensor]:
-    """The file's tensors, their bytes memory-mapped. The metadata is walked past, not parsed: the
-    `gguf` package's reader decodes every tokenizer string (seconds for a 150k vocabulary), and the
-    metadata was read once already, into the cached folder (gguf_convert.py)."""
-    with open(gguf_path, "rb") as file:  # copy-on-write: writable views, no copy
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    mapped = np.frombuffer(mapping, dtype=np.uint8)
-    buffer = memoryview(mapping)
-    magic, version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", buffer, 0)
-    if magic != b"GGUF" or version < 2:
-        raise ValueError(f"{gguf_path}: not a GGUF file of version 2 or later")
-    offset, alignment = 24, 32
-    for _ in range(num_fields):
-        key, offset = _string(buffer, offset)
-        (kind,) = struct.unpack_from("<I", buffer, offset)
-        if key == "general.alignment":
-            (alignment,) = struct.unpack_from("<I", buffer, offset + 4)
-        offset = _skip_value(buffer, offset + 4, kind)
-    infos = []
-    for _ in range(num_tensors):
-        name, offset = _string(buffer, offset)
-        (num_dims,) = struct.unpack_from("<I", buffer, offset)
-        shape = struct.unpack_from(f"<{num_dims}Q", buffer, offset + 4)
-        kind, start = struct.unpack_from("<IQ", buffer, offset + 4 + 8 * num_dims)
-        offset += 4 + 8 * num_dims + 12
-        infos.append((name, gguf.GGMLQuantizationType(kind), shape, start))
-    data_start = (offset + alignment - 1) // alignment * alignment
-    tensors = []
-    for name, kind, shape, start in infos:
-        block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
-        count = int(np.prod(shape))
-        begin = data_start + start
-        size = count // block_size * type_size
-        release = functools.partial(_drop_pages, mapping, begin, size)
-        tensors.append(GGUFTensor(name, kind, shape, mapped[begin : begin + size], release))
-    return tensors
-
-
-def _drop_pages(mapping: mmap.mmap, begin: int, size: int) -> None:
-    """Drop the mapped pages wholly inside bytes begin .. begin + size from this process's memory
-    (MADV_DONTNEED: clean private pages are read from the file again if touched), so that a
-    model's resident size does not hold the file beside its packed copy while it loads."""
-    start = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (begin + size) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-"""GGUF metadata value types -> bytes (8 is a string, 9 an array)."""
-
-
-def _string(buffer: memoryview, offset: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buffer, offset)
-    return bytes(buffer[offset + 8 : offset + 8 + length]).decode("utf-8", "replace"), offset + 8 + length
-
-
-def _skip_value(buffer: memoryview, offset: int, kind: int) -> int:
-    if kind in _SCALAR_SIZES:
-        return offset + _SCALAR_SIZES[kind]
-    if kind == 8:
-        (length,) = struct.unpack_from("<Q", buffer, offset)
-        return offset + 8 + length
-    if kind != 9:
-        raise ValueError(f"GGUF metadata value of unknown type {kind}")
-    item_kind, count = struct.unpack_from("<IQ", buffer, offset)
-    offset += 12
-    if item_kind in _SCALAR_SIZES:
-        return offset + count * _SCALAR_SIZES[item_kind]
-    for _ in range(count):
-        offset = _skip_value(buffer, offset, item_kind)
-    return offset
 
 
 def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
