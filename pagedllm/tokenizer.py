@@ -6,10 +6,12 @@ offline API, the server and the benchmarks alike.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from pagedllm import chat_template
 
@@ -18,16 +20,26 @@ from pagedllm import chat_template
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(folder: str | Path, chat_template_text: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    folder: str | Path, chat_template_text: str | None = None, *, named_class: bool = False
+) -> PreTrainedTokenizerBase:
     """The folder's fast tokenizer. Checked here because transformers, given none of its files,
-    answers with advice to install sentencepiece or tiktoken, which does not help."""
+    answers with advice to install sentencepiece or tiktoken, which does not help.
+
+    named_class: load it with the class its tokenizer_config.json names (a folder pagedllm wrote,
+    whose saved class is the one AutoTokenizer picks), not through AutoTokenizer, which reads the
+    model's config to choose a class and imports a second of transformers to do so."""
     folder = Path(folder)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"no {' / '.join(TOKENIZER_FILES)} in {folder}; copy the tokenizer files of the model "
             "there, or pass --tokenizer with a folder or hub name that has them"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    loader: Any = AutoTokenizer
+    if named_class:
+        class_name = json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
+        loader = tokenizer_class_from_name(class_name)
+    tokenizer = loader.from_pretrained(str(folder), local_files_only=True)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{folder}: pagedllm needs a fast (tokenizers-backed) tokenizer")
     if chat_template_text is not None:

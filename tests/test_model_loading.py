@@ -19,6 +19,7 @@ from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import MODEL_CLASSES, default_model_path
+from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, plan_kv_cache
 
 from .helpers import (
@@ -250,3 +251,9 @@ def test_gguf_tokenizer_is_what_auto_tokenizer_converts(arch, tmp_path, monkeypa
     assert "tokenizer.json" in names
     for name in names:
         assert (folder / name).read_bytes() == (tmp_path / "auto" / name).read_bytes(), name
+    # the engine loads the folder by the class it names, without AutoTokenizer: the same tokenizer
+    ours, auto = load_tokenizer(folder, named_class=True), AutoTokenizer.from_pretrained(str(folder))
+    assert type(ours) is type(auto)
+    text = "<|im_start|>user\n  Hello, wörld!\tdef f(x): return x ** 2<|im_end|> 🙂"
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.all_special_tokens == auto.all_special_tokens and ours.chat_template == auto.chat_template

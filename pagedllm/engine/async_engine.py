@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     import xgrammar
+    from transformers import PreTrainedTokenizerBase
 
     from pagedllm.config import EngineConfig
     from pagedllm.core.block_pool import BlockPool
@@ -183,6 +184,9 @@ class AsyncLLM:
     @property
     def tokenizer_folder(self) -> Path:
         return self.engine.tokenizer_folder
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.load_tokenizer()
 
     @property
     def num_kv_blocks(self) -> int:

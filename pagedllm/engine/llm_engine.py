@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.disk_index import DiskIndex
@@ -30,6 +31,7 @@ from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_convert import gguf_source
 from pagedllm.model.loader import model_display_name, resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
@@ -39,6 +41,9 @@ from pagedllm.tokenizer import load_tokenizer, workload_prompts
 from pagedllm.worker.kv_cache import KVCachePlan
 from pagedllm.worker.worker import Worker
 from pagedllm.workload import load_workload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +63,9 @@ class LLMEngine:
             if config.tokenizer
             else folder
         )
-        self.tokenizer = load_tokenizer(self.tokenizer_folder, config.chat_template)
         max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         self.config = config.replace(max_model_len=max_model_len)
+        self.tokenizer = self.load_tokenizer()
 
         self.executor: Executor = make_executor(self.config, folder, self.model_config)
         self.executor.start(max_model_len)
@@ -122,6 +127,11 @@ class LLMEngine:
         """The front door: any thread may call it (it reads only start-up facts)."""
         if self.config.prefix_cache_warmup:
             self.warm_up(self.config.prefix_cache_warmup)
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        """A tokenizer of the model's folder (or --tokenizer's), with the chat template asked for."""
+        folder = self.tokenizer_folder
+        return load_tokenizer(folder, self.config.chat_template, named_class=gguf_source(folder) is not None)
 
     @property
     def max_model_len(self) -> int:

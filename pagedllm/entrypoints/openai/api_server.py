@@ -50,7 +50,6 @@ from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics, caller_labels_on
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.worker import resolve_device
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")  # by name: also run as __main__
@@ -205,7 +204,7 @@ def run_server(args: argparse.Namespace) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     tokenizer = AsyncTokenizer(
-        load_tokenizer(engine.tokenizer_folder, config.chat_template),
+        engine.load_tokenizer(),
         template_time_budget=server_config.chat_template_time_budget,
     )
     models = ServedModels(
