@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+import transformers
+from transformers import PreTrainedTokenizerBase
 
 from pagedllm import chat_template
 
@@ -35,10 +35,14 @@ def load_tokenizer(
             f"no {' / '.join(TOKENIZER_FILES)} in {folder}; copy the tokenizer files of the model "
             "there, or pass --tokenizer with a folder or hub name that has them"
         )
-    loader: Any = AutoTokenizer
-    if named_class:
+    loader: Any = None
+    if named_class:  # a class transformers exports: its lazy import reads that module alone
         class_name = json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
-        loader = tokenizer_class_from_name(class_name)
+        loader = getattr(transformers, class_name, None)
+    if loader is None:  # transformers.models' index of every model (a second), here only
+        from transformers import AutoTokenizer
+
+        loader = AutoTokenizer
     tokenizer = loader.from_pretrained(str(folder), local_files_only=True)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{folder}: pagedllm needs a fast (tokenizers-backed) tokenizer")

@@ -154,7 +154,9 @@ def load_model(
     )
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, max_position, tp).to(dtype)
-    model = model.to_empty(device=device)
+    # to_empty(device) but with torch.empty: empty_like of a meta tensor first imports torch's
+    # symbolic shapes (sympy), most of a second of every start-up
+    model = model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
     model.tie_weights()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
