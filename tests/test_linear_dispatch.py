@@ -25,7 +25,7 @@ from pagedllm.layers.linear_dispatch import (
     LinearDispatch,
     Timing,
     best_single,
-    time_paths,
+    time_streams,
     timed_rows,
 )
 
@@ -112,20 +112,20 @@ def test_quantized_weights_stream_the_way_timed_faster_here_once_per_host(faster
     result is the same either way), takes the faster, caches it, and says so."""
     cache = tmp_path / "dispatch.json"
     timer = _fake_timer({name: [1.0 if name == faster else 2.0] * len(ROW_COUNTS) for name in QUANT_STREAMS})
-    first = LinearDispatch(cache_path=cache, timer=timer)
+    first = LinearDispatch(cache_path=cache, stream_timer=timer)
     assert first.quant_stream_ahead() == QUANT_STREAMS[faster]
     assert first.quant_stream_ahead() == QUANT_STREAMS[faster] and timer.calls == 1
     assert f"quantized weights streamed with {faster}" in first.summary()
-    later = LinearDispatch(cache_path=cache, timer=timer)
+    later = LinearDispatch(cache_path=cache, stream_timer=timer)
     assert later.quant_stream_ahead() == QUANT_STREAMS[faster] and timer.calls == 1
 
 
 @pytest.mark.skipif(not cpu_ops.serves_quant_linear(4, 64, 64), reason="no integer kernel on this build")
 def test_the_quantized_stream_timing_runs_on_weights_beyond_the_cache(monkeypatch):
-    """The real timer on the kernel, both ways, each path on copies enough to overflow the
-    last-level cache (a small shape here: many copies)."""
+    """The real timer on the kernel, both ways, each path's passes over copies enough to overflow
+    the last-level cache (a small shape here: many copies)."""
     monkeypatch.setattr("pagedllm.layers.linear_dispatch.QUANT_STREAM_SHAPE", (64, 256))
-    dispatch = LinearDispatch(timer=time_paths, cache_path=None)
+    dispatch = LinearDispatch(stream_timer=time_streams, cache_path=None)
     monkeypatch.setattr(dispatch, "_store", lambda key, entry: None)
     monkeypatch.setattr(dispatch, "_cache", lambda: {"shapes": {}})
     assert dispatch.quant_stream_ahead() in QUANT_STREAMS.values()

@@ -26,8 +26,9 @@ largest timed row count's choice serves it.
 Quantized weights have one kernel, but how it streams them differs: prefetching 4 KiB ahead was
 ~1.2x faster than the hardware's own prefetch on one Zen 5 host and ~1.3x slower on another of
 the same kind. `quant_stream_ahead` times a decode step's 1-row product both ways, once per host,
-on a 4-bit weight of a 1B model's largest shape (QUANT_STREAM_SHAPE); every quantized projection
-streams the faster way. The results are the same either way.
+on a 4-bit weight of a 1B model's attention projections' size (QUANT_STREAM_SHAPE), as the median of passes
+over copies of it (time_streams); every quantized projection streams the faster way. The results
+are the same either way.
 
 Cache: the timings (not the choices, so a change of rule needs no new timing) per host, in one
 small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
@@ -44,6 +45,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -72,8 +74,12 @@ FALLBACK = "torch"
 """The path that takes any weight (unpacked): used alone where no other takes it."""
 QUANT_STREAMS = {"software prefetch": cpu_ops.QUANT_STREAM_AHEAD, "hardware prefetch": 0}
 """quant_linear's ways to stream a weight: its stream_ahead (0: the hardware's prefetch alone)."""
-QUANT_STREAM_SHAPE = (16384, 2048)
-"""Timed for quant_stream_ahead: a 1B model's fused gate/up, 18 MiB at 4 bits."""
+QUANT_STREAM_SHAPE = (4096, 2048)
+"""Timed for quant_stream_ahead: 4.5 MiB at 4 bits, a 1B model's attention projections' size,
+where how a stream starts matters most; its fused gate/up (18 MiB) told the two ways apart by
+less than a decode step does, and not every time (docs/benchmarks.md)."""
+STREAM_PASSES = 10
+"""Passes over a path's copies for quant_stream_ahead."""
 
 LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Seconds = dict[str, list[float]]
@@ -106,17 +112,28 @@ class Timing(NamedTuple):
     the timings are used but not cached."""
 
 
-def time_paths(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
-    """Least seconds of each path's product at each row count, on random data of weight's shape."""
-    n, k = weight.shape
-    gen = torch.Generator().manual_seed(0)
-    plain = (torch.randn(n, k, generator=gen) * 0.05).to(weight.dtype)
-    copies = {}  # per path, enough packed copies to overflow the cache, taken in turn
+Timer = Callable[[torch.Tensor, Mapping[str, LinearPath], Sequence[int]], Timing]
+"""(weight, paths, row counts) -> seconds of each path's product at each row count."""
+
+
+def _packed_copies(plain: torch.Tensor, paths: Mapping[str, LinearPath]) -> dict[str, list[torch.Tensor]]:
+    """Per path, enough packed copies of `plain` to overflow the last-level cache, taken in turn:
+    each product then streams its weight from memory, as a decode step does."""
+    copies = {}
     for name, path in paths.items():
         packed = path.pack(plain)
         packed_bytes = packed.numel() * packed.element_size()
         num_copies = min(64, math.ceil(2 * last_level_cache_bytes() / packed_bytes))
         copies[name] = [packed] + [packed.clone() for _ in range(num_copies - 1)]
+    return copies
+
+
+def time_paths(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
+    """Least seconds of each path's product at each row count, on random data of weight's shape."""
+    n, k = weight.shape
+    gen = torch.Generator().manual_seed(0)
+    plain = (torch.randn(n, k, generator=gen) * 0.05).to(weight.dtype)
+    copies = _packed_copies(plain, paths)
     uses = dict.fromkeys(paths, 0)
     inputs = [torch.randn(num_rows, k, generator=gen).to(weight.dtype) for num_rows in rows]
     seconds = {name: [math.inf] * len(rows) for name in paths}
@@ -140,6 +157,29 @@ def time_paths(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequ
             if spent > 2 * SECONDS_PER_SHAPE:
                 break
     return Timing(seconds, not bettered)
+
+
+def time_streams(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
+    """quant_stream_ahead's timer: seconds of one product of `rows[0]` rows as the median over
+    STREAM_PASSES passes, each path's pass running its copies one after another (a decode step's
+    weights follow one another), the paths' passes alternating. The least single product
+    (time_paths) is a lottery between two ways this close on a busy host: it once chose the way
+    a decode step ran slower (docs/benchmarks.md)."""
+    n, k = weight.shape
+    gen = torch.Generator().manual_seed(0)
+    copies = _packed_copies(torch.randn(n, k, generator=gen) * 0.05, paths)
+    x = torch.randn(rows[0], k, generator=gen)
+    passes: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths)
+    with torch.no_grad():
+        for _ in range(STREAM_PASSES):
+            for name in order:
+                start = time.perf_counter()
+                for packed in copies[name]:
+                    paths[name].run(x, packed, None)
+                passes[name].append((time.perf_counter() - start) / len(copies[name]))
+            order.reverse()  # each path goes first in half the rounds
+    return Timing({name: [statistics.median(times)] for name, times in passes.items()}, True)
 
 
 def host_key() -> str:
@@ -170,11 +210,13 @@ class LinearDispatch:
         self,
         backend: LinearBackend = "auto",
         cache_path: Path | None = None,
-        timer: Callable[[torch.Tensor, Mapping[str, LinearPath], Sequence[int]], Timing] = time_paths,
+        timer: Timer = time_paths,
+        stream_timer: Timer = time_streams,
     ) -> None:
         self.backend = backend
         self.cache_path = cache_path
         self.timer = timer
+        self.stream_timer = stream_timer
         self.num_timed = 0
         """Shapes timed by this dispatch (not read from the cache)."""
         self.num_unsettled = 0
@@ -207,8 +249,8 @@ class LinearDispatch:
         if self._quant_stream is None:
             paths = {name: _quant_stream_path(ahead) for name, ahead in QUANT_STREAMS.items()}
             weight = torch.empty(QUANT_STREAM_SHAPE)
-            key = "quantized 4-bit {}x{}".format(*QUANT_STREAM_SHAPE)
-            self._quant_stream = self._timed_choice(weight, key, paths, rows=[1])
+            key = "quantized 4-bit {}x{}, median of passes".format(*QUANT_STREAM_SHAPE)
+            self._quant_stream = self._timed_choice(weight, key, paths, [1], self.stream_timer)
         return QUANT_STREAMS[self._quant_stream]
 
     def _timed_choice(
@@ -217,12 +259,13 @@ class LinearDispatch:
         key: str,
         paths: Mapping[str, LinearPath],
         rows: Sequence[int] | None = None,
+        timer: Timer | None = None,
     ) -> str:
         rows = list(rows) if rows is not None else timed_rows(*weight.shape)
         entry = self._cache()["shapes"].get(key)
         if not _valid(entry, paths, rows):
             self.num_timed += 1
-            seconds, settled = self._time(weight, paths, rows)
+            seconds, settled = self._time(weight, paths, rows, timer or self.timer)
             entry = {"rows": rows, "seconds": seconds}
             logger.debug("Linear dispatch timed %s (settled: %s): %s", key, settled, entry)
             self._cache()["shapes"][key] = entry  # this load's other weights of the shape
@@ -232,9 +275,11 @@ class LinearDispatch:
                 self.num_unsettled += 1
         return best_single(rows, {name: entry["seconds"][name] for name in paths})
 
-    def _time(self, weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> Timing:
+    def _time(
+        self, weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int], timer: Timer
+    ) -> Timing:
         started = time.perf_counter()
-        timing = self.timer(weight, paths, rows)
+        timing = timer(weight, paths, rows)
         self.seconds_timing += time.perf_counter() - started
         return timing
 
