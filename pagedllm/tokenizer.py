@@ -26,9 +26,9 @@ def load_tokenizer(
     """The folder's fast tokenizer. Checked here because transformers, given none of its files,
     answers with advice to install sentencepiece or tiktoken, which does not help.
 
-    named_class: load it with the class its tokenizer_config.json names (a folder pagedllm wrote,
-    whose saved class is the one AutoTokenizer picks), not through AutoTokenizer, which reads the
-    model's config to choose a class and imports a second of transformers to do so."""
+    named_class: load it with the tokenizer class its tokenizer_config.json names (a folder
+    pagedllm wrote, whose saved class is the one AutoTokenizer picks), not through AutoTokenizer,
+    which reads the model's config to choose a class and imports much of transformers to do so."""
     folder = Path(folder)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(
@@ -37,9 +37,11 @@ def load_tokenizer(
         )
     loader: Any = None
     if named_class:  # a class transformers exports: its lazy import reads that module alone
-        class_name = json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
-        loader = getattr(transformers, class_name, None)
-    if loader is None:  # transformers.models' index of every model (a second), here only
+        class_name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        named = getattr(transformers, str(class_name), None)
+        if isinstance(named, type) and issubclass(named, PreTrainedTokenizerBase):
+            loader = named
+    if loader is None:  # imports transformers.models' index of every model: here only
         from transformers import AutoTokenizer
 
         loader = AutoTokenizer

@@ -42,7 +42,8 @@ class GGUFTensor:
 @dataclass
 class GGUFContents:
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Each key's value: a number, a string, or a list of them (arrays up to LONGEST_ARRAY_READ)."""
+    """Each key's value: a number, a string, or a list of them (arrays up to LONGEST_ARRAY_READ;
+    an array of arrays, which no field pagedllm reads is, only counted)."""
     array_lengths: dict[str, int] = field(default_factory=dict)
     """Every array's length, the long ones left out of `metadata` included."""
     tensors: list[GGUFTensor] = field(default_factory=list)
@@ -65,7 +66,7 @@ def read_gguf(gguf_path: Path) -> GGUFContents:
         if kind == _ARRAY:
             item_kind, count = struct.unpack_from("<IQ", buffer, offset)
             contents.array_lengths[key] = count
-            if count <= LONGEST_ARRAY_READ:
+            if count <= LONGEST_ARRAY_READ and item_kind != _ARRAY:  # arrays of arrays: none read
                 contents.metadata[key] = _array(buffer, offset + 12, item_kind, count)
         else:
             contents.metadata[key] = _value(buffer, offset, kind)

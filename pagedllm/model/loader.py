@@ -155,7 +155,7 @@ def load_model(
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, max_position, tp).to(dtype)
     # to_empty(device) but with torch.empty: empty_like of a meta tensor first imports torch's
-    # symbolic shapes (sympy), most of a second of every start-up
+    # symbolic shapes (sympy), a cost every start-up paid
     model = model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
     model.tie_weights()
     for module in model.modules():
