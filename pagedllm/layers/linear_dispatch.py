@@ -26,9 +26,9 @@ largest timed row count's choice serves it.
 Quantized weights have one kernel, but how it streams them differs: prefetching 4 KiB ahead was
 ~1.2x faster than the hardware's own prefetch on one Zen 5 host and ~1.3x slower on another of
 the same kind. `quant_stream_ahead` times a decode step's 1-row product both ways, once per host,
-on a 4-bit weight of a 1B model's attention projections' size (QUANT_STREAM_SHAPE), as the median of passes
-over copies of it (time_streams); every quantized projection streams the faster way. The results
-are the same either way.
+on a 4-bit weight of a 1B model's attention projections' size (QUANT_STREAM_SHAPE), as the median
+of passes over copies of it (time_streams); every quantized projection streams the faster way.
+The results are the same either way.
 
 Cache: the timings (not the choices, so a change of rule needs no new timing) per host, in one
 small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
@@ -164,7 +164,8 @@ def time_streams(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Se
     STREAM_PASSES passes, each path's pass running its copies one after another (a decode step's
     weights follow one another), the paths' passes alternating. The least single product
     (time_paths) is a lottery between two ways this close on a busy host: it once chose the way
-    a decode step ran slower (docs/benchmarks.md)."""
+    a decode step ran slower (docs/benchmarks.md). Always settled: a median needs no rounds to
+    settle, so it is cached."""
     n, k = weight.shape
     gen = torch.Generator().manual_seed(0)
     copies = _packed_copies(torch.randn(n, k, generator=gen) * 0.05, paths)
