@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from pagedllm.core.outputs import NewRequestData, SchedulerOutput
@@ -38,24 +39,27 @@ class InputBatch:
     ) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        # numpy arrays, not tensors: a step's index arithmetic on a few rows runs in a fraction of
+        # the time torch's dispatcher takes per op, more so right after the weights' stream has
+        # evicted the caches (tensors for the model and sampler are made with torch.from_numpy)
         # token ids, counts and blocks, one row per request
-        self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         """Row r: its request's prompt, then its output tokens; the rest is stale."""
-        self.num_prompt_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
-        self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         """Prompt and output tokens known: the next sampled one goes at this position."""
-        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
-        self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.long)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
         """Row r: its request's block ids, then zeros."""
         self._num_blocks = [0] * max_num_reqs
         # sampling settings, one entry per row; the rare ones in dicts by row
-        self.temperature = torch.ones(max_num_reqs, dtype=torch.float32)
-        self.top_k = torch.full((max_num_reqs,), vocab_size, dtype=torch.int64)
-        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32)
-        self.min_p = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.repetition_penalty = torch.ones(max_num_reqs, dtype=torch.float32)
-        self.frequency_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.presence_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.full(max_num_reqs, vocab_size, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self._greedy = [True] * max_num_reqs
         self._cuts_top = [False] * max_num_reqs
         """The row cuts by top-k or top-p."""
@@ -83,20 +87,20 @@ class InputBatch:
         cached = scheduler_output.cached_requests
         rows = [self.row_of[req_id] for req_id in cached.req_ids]
         if rows:
-            self.num_computed_tokens[rows] = torch.tensor(cached.num_computed_tokens)
+            self.num_computed_tokens[rows] = cached.num_computed_tokens
         for row, block_ids in zip(rows, cached.new_block_ids, strict=True):
             if block_ids:
                 self._append_blocks(row, block_ids)
         for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
             row, end = self.row_of[req_id], int(self.num_tokens[self.row_of[req_id]])
-            self.token_ids[row, end : end + len(draft)] = torch.tensor(draft, dtype=torch.int32)
+            self.token_ids[row, end : end + len(draft)] = draft
 
     def append_tokens(self, rows: list[int], token_ids: list[list[int]]) -> None:
         """Sampled tokens (by this runner, or by rank 0 with tensor parallelism), a list per row
         (more than one where speculative decoding accepted draft tokens)."""
         for row, tokens in zip(rows, token_ids, strict=True):
             end = int(self.num_tokens[row])
-            self.token_ids[row, end : end + len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            self.token_ids[row, end : end + len(tokens)] = tokens
             self.num_tokens[row] = end + len(tokens)
 
     def speculates(self, row: int) -> bool:
@@ -111,17 +115,17 @@ class InputBatch:
         """The sampler's view of these rows, in this order (the order of the logits' rows).
         drafts_before (speculative decoding): per logits row, how many of its request's draft
         tokens come before that position; penalties count them as output there."""
-        index = torch.tensor(rows)
+        index = np.array(rows, dtype=np.int64)
         is_greedy = [self._greedy[row] for row in rows]
         cuts_top = any(self._cuts_top[row] for row in rows)
         min_p = self.min_p[index]
         return SamplingMetadata(
             all_greedy=all(is_greedy),
             is_greedy=torch.tensor(is_greedy),
-            temperature=self.temperature[index],
-            top_k=self.top_k[index] if cuts_top else None,
-            top_p=self.top_p[index] if cuts_top else None,
-            min_p=min_p if bool((min_p > 0).any()) else None,
+            temperature=torch.from_numpy(self.temperature[index]),
+            top_k=torch.from_numpy(self.top_k[index]) if cuts_top else None,
+            top_p=torch.from_numpy(self.top_p[index]) if cuts_top else None,
+            min_p=torch.from_numpy(min_p) if min_p.any() else None,
             generators={
                 i: generator
                 for i, row in enumerate(rows)
@@ -136,24 +140,24 @@ class InputBatch:
         )
 
     def _penalties(
-        self, positions: list[int], index: torch.Tensor, drafts_before: list[int] | None
+        self, positions: list[int], index: np.ndarray, drafts_before: list[int] | None
     ) -> Penalties | None:
         if not positions:
             return None
         rows = index[positions]
         num_prompt, num_tokens = self.num_prompt_tokens[rows][:, None], self.num_tokens[rows][:, None]
         if drafts_before is not None:  # the drafts follow the known tokens in the row
-            num_tokens = num_tokens + torch.tensor([drafts_before[i] for i in positions])[:, None]
+            num_tokens = num_tokens + np.array([drafts_before[i] for i in positions])[:, None]
         length = int(num_tokens.max())
-        column = torch.arange(length)[None, :]
+        column = np.arange(length)[None, :]
         return Penalties(
             rows=torch.tensor(positions),
-            token_ids=self.token_ids[rows, :length].long(),
-            is_prompt=column < num_prompt,
-            is_output=(column >= num_prompt) & (column < num_tokens),
-            repetition=self.repetition_penalty[rows][:, None],
-            frequency=self.frequency_penalty[rows][:, None],
-            presence=self.presence_penalty[rows][:, None],
+            token_ids=torch.from_numpy(self.token_ids[rows, :length].astype(np.int64)),
+            is_prompt=torch.from_numpy(column < num_prompt),
+            is_output=torch.from_numpy((column >= num_prompt) & (column < num_tokens)),
+            repetition=torch.from_numpy(self.repetition_penalty[rows][:, None]),
+            frequency=torch.from_numpy(self.frequency_penalty[rows][:, None]),
+            presence=torch.from_numpy(self.presence_penalty[rows][:, None]),
         )
 
     def _logit_biases(self, rows: list[int]) -> tuple[list[int], list[int], list[float]] | None:
@@ -199,22 +203,20 @@ class InputBatch:
         self.req_ids[row] = new.req_id
         self.row_of[new.req_id] = row
         num_prompt, num_output = len(new.prompt_token_ids), len(new.output_token_ids)
-        self.token_ids[row, :num_prompt] = torch.tensor(new.prompt_token_ids, dtype=torch.int32)
+        self.token_ids[row, :num_prompt] = new.prompt_token_ids
         if num_output:
-            self.token_ids[row, num_prompt : num_prompt + num_output] = torch.tensor(
-                new.output_token_ids, dtype=torch.int32
-            )
+            self.token_ids[row, num_prompt : num_prompt + num_output] = new.output_token_ids
         self.num_prompt_tokens[row] = num_prompt
         self.num_tokens[row] = num_prompt + num_output
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self.block_table[row].zero_()
+        self.block_table[row] = 0
         self._num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         self._set_sampling(row, new)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         end = self._num_blocks[row] + len(block_ids)
-        self.block_table[row, self._num_blocks[row] : end] = torch.tensor(block_ids)
+        self.block_table[row, self._num_blocks[row] : end] = block_ids
         self._num_blocks[row] = end
 
     def _set_sampling(self, row: int, new: NewRequestData) -> None:

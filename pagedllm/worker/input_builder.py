@@ -1,6 +1,6 @@
 """Turn a step (rows of the input batch and their token counts) into model inputs: flat token ids,
 positions, slots, attention metadata and the rows to sample from. All index arithmetic is done
-once per step in a handful of tensor ops over the batch's row arrays, never per token in Python.
+once per step in a handful of numpy ops over the batch's row arrays, never per token in Python.
 
 Flat layout of a step (requests in scheduled order, each contributing its new tokens):
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
@@ -47,34 +48,40 @@ def build_model_input(
     step, the last known one and then draft tokens `drafts[i]` where given (written after the
     known tokens in the batch's rows). attn_backend builds the attention metadata its path reads."""
 
-    index = torch.tensor(rows)
-    counts_t = torch.tensor(counts)
-    starts_t = batch.num_computed_tokens[index]
-    seq_lens_t = starts_t + counts_t
-    seq_lens = seq_lens_t.tolist()
+    index = np.array(rows, dtype=np.int64)
+    counts_a = np.array(counts, dtype=np.int64)
+    starts_a = batch.num_computed_tokens[index]
+    seq_lens_a = starts_a + counts_a
+    seq_lens = seq_lens_a.tolist()
     num_blocks = -(-max(seq_lens) // block_size)
     block_tables = batch.block_table[index, :num_blocks]
 
-    row_offsets = torch.cumsum(counts_t, 0) - counts_t  # first flat row of each request
-    req_of_token = torch.repeat_interleave(torch.arange(len(rows)), counts_t)  # [num_tokens]
-    num_tokens = int(counts_t.sum())
-    positions = torch.arange(num_tokens) - row_offsets[req_of_token] + starts_t[req_of_token]
+    row_offsets = np.cumsum(counts_a) - counts_a  # first flat row of each request
+    req_of_token = np.repeat(np.arange(len(rows)), counts_a)  # [num_tokens]
+    num_tokens = int(counts_a.sum())
+    positions = np.arange(num_tokens) - row_offsets[req_of_token] + starts_a[req_of_token]
     slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
-    input_ids = batch.token_ids[index[req_of_token], positions].long()
+    input_ids = batch.token_ids[index[req_of_token], positions].astype(np.int64)
     row_offset_list = row_offsets.tolist()
     layout = StepLayout(
-        slot_mapping, counts, starts_t.tolist(), seq_lens, row_offset_list, block_tables, block_size
+        torch.from_numpy(slot_mapping),
+        counts,
+        starts_a.tolist(),
+        seq_lens,
+        row_offset_list,
+        torch.from_numpy(block_tables),
+        block_size,
     )
     attn_metadata = attn_backend.build_metadata(layout, device)
     # a request samples when this step reaches its last known token (and its drafts after it)
     known = batch.num_tokens[index]
     if drafts is None:
-        samples = (seq_lens_t == known).tolist()
+        samples = (seq_lens_a == known).tolist()
         sampled = [i for i in range(len(rows)) if samples[i]]
         last_rows = [row_offset_list[i] + counts[i] - 1 for i in sampled]
         drafts = [[] for _ in rows]
     else:
-        samples = (seq_lens_t == known + torch.tensor([len(d) for d in drafts])).tolist()
+        samples = (seq_lens_a == known + np.array([len(d) for d in drafts], dtype=np.int64)).tolist()
         sampled = [i for i in range(len(rows)) if samples[i]]
         last_rows = [
             row_offset_list[i] + counts[i] - 1 - j for i in sampled for j in range(len(drafts[i]), -1, -1)
@@ -85,12 +92,12 @@ def build_model_input(
     for i, row in enumerate(rows):
         if batch.num_prompt_logprobs[row] is None:
             continue
-        start, last_prompt = int(starts_t[i]), int(batch.num_prompt_tokens[row]) - 1
+        start, last_prompt = int(starts_a[i]), int(batch.num_prompt_tokens[row]) - 1
         if start < last_prompt:
             prompt_scoring.append((row, row_offset_list[i], min(seq_lens[i], last_prompt) - start))
     return ModelInput(
-        input_ids=input_ids.to(device),
-        positions=positions.to(device),
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
         attn_metadata=attn_metadata,
         logits_indices=logits_indices.to(device),
         sampled_rows=[rows[i] for i in sampled],

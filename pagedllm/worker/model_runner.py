@@ -179,7 +179,7 @@ class ModelRunner:
             req_id = batch.req_ids[row]
             if req_id not in output.sampled_token_ids or not batch.speculates(row):
                 continue
-            context = batch.token_ids[row, : int(batch.num_tokens[row])].numpy()
+            context = batch.token_ids[row, : int(batch.num_tokens[row])]
             draft = self.proposer.propose(req_id, context, self.speculation.num_speculative_tokens)
             if draft:
                 output.spec_token_ids[req_id] = draft
@@ -232,7 +232,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[first : first + num_rows])
         batch = self.input_batch
         start = int(batch.num_computed_tokens[row]) + 1
-        targets = batch.token_ids[row, start : start + num_rows].to(hidden.device, torch.long)
+        targets = torch.from_numpy(batch.token_ids[row, start : start + num_rows])
+        targets = targets.to(hidden.device, torch.long)
         assert logits is not None
         k = batch.num_prompt_logprobs[row]
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]
