@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.direct_call import DirectCall
 
 
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
@@ -18,7 +19,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(DirectCall, nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.impl: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_torch
@@ -40,7 +41,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-class GeluTanhAndMul(nn.Module):
+class GeluTanhAndMul(DirectCall, nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.impl: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul

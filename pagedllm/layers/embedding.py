@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.linear import Loaded, copy_weight
 from pagedllm.layers.quantization import BLOCK, BlockQuantized
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(DirectCall, nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.direct_call import DirectCall
 
 AddRMSNorm = Callable[
     [torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
@@ -37,7 +38,7 @@ def add_rms_norm_float32(
     return F.rms_norm(x, weight.shape, weight, eps), x
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))

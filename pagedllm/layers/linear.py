@@ -27,6 +27,7 @@ from torch import nn
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.linear_dispatch import FALLBACK, LinearDispatch, LinearImpl, LinearPath
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, join_rows
 
@@ -155,7 +156,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class Linear(nn.Linear):
+class Linear(DirectCall, nn.Linear):
     """A projection whole on every rank: y = x Wᵀ (+ b)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

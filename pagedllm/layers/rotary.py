@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.layers.direct_call import DirectCall
+
 
 def inverse_frequencies(
     head_dim: int,
@@ -47,7 +49,7 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(torch.nn.Module):
+class RotaryEmbedding(DirectCall, torch.nn.Module):
     cos_cache: torch.Tensor  # [max_position, head_dim]
     sin_cache: torch.Tensor  # [max_position, head_dim], its first half negated
 

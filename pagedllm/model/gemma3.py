@@ -23,6 +23,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import LinearBackend
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.activation import GeluTanhAndMul
+from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Loaded, copy_weight
@@ -51,7 +52,7 @@ class Gemma3MLP(LlamaMLP):
         self.act_fn = GeluTanhAndMul()
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None) -> None:
         super().__init__()
         self.is_sliding = window is not None

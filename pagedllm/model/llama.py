@@ -28,6 +28,7 @@ from pagedllm.config import LinearBackend
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers import bind_attributes, choose_impls
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -38,7 +39,7 @@ from pagedllm.model.config import ModelConfig
 __all__ = ["KVCache", "LlamaForCausalLM"]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None = None) -> None:
         """`window`: the keys each query attends to, counted back from it (None: every key)."""
         super().__init__()
@@ -61,7 +62,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(hidden.shape[0], self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         super().__init__()
         sizes = [config.intermediate_size] * 2
@@ -73,7 +74,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCall, nn.Module):
     attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
     """What a variant changes of the layer (Qwen3: per-head query and key norms, model/qwen3.py)."""
 
@@ -98,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DirectCall, nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
