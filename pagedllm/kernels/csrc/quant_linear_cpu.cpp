@@ -147,8 +147,20 @@ at::Tensor pack_quant_linear(const at::Tensor& q, const at::Tensor& scales, cons
 //   quants of tile t (first row r0, h rows), block b:  [8 steps][h rows][4 quants] at r0 * K + b * 32 h
 //   dx, dx_sums, starts of tile t, block b:            [h rows] at r0 * blocks + b * h
 struct QuantRows {
-  at::Tensor quants, dx, dx_sums, starts;
-  int64_t tile_height;
+  const int8_t* quants;  // [rows, k]
+  const float *dx, *dx_sums;  // [rows, blocks]
+  const int32_t* starts;  // [rows, blocks]
+  int64_t k, blocks, tile_height;
+};
+
+// QuantRows' storage. A decode step makes a hundred calls of a few rows each: their buffers are kept
+// by the calling thread from call to call (allocating them each time cost more than quantizing a
+// row); a prompt's, up to tens of MiB, are freed after their call.
+constexpr int64_t kKeptQuantBytes = 1 << 20;
+struct QuantBuffers {
+  std::vector<int8_t> quants;
+  std::vector<float> dx, dx_sums;
+  std::vector<int32_t> starts;
 };
 
 template <typename FVec, typename T>
@@ -188,28 +200,32 @@ void quantize_row(const T* x, int64_t blocks, int64_t h, int32_t offset, bool pe
 }
 
 template <typename FVec>
-QuantRows quantize_rows(const at::Tensor& x, int32_t offset, bool per_token, int64_t tile_height) {
-  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
-  const auto options = x.options();
-  QuantRows r{at::empty({rows, k}, options.dtype(at::kChar)), at::empty({rows, blocks}, options.dtype(at::kFloat)),
-              at::empty({rows, blocks}, options.dtype(at::kFloat)), at::empty({rows, blocks}, options.dtype(at::kInt)),
-              tile_height};
+QuantRows quantize_rows(const at::Tensor& x, int32_t offset, bool per_token, int64_t tile_height,
+                        QuantBuffers& buffers) {
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock, x_stride = x.stride(0);
+  buffers.quants.resize(rows * k);
+  buffers.dx.resize(rows * blocks);
+  buffers.dx_sums.resize(rows * blocks);
+  buffers.starts.resize(rows * blocks);
+  int8_t* const quants = buffers.quants.data();
+  float *const dx = buffers.dx.data(), *const dx_sums = buffers.dx_sums.data();
+  int32_t* const starts = buffers.starts.data();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* const x_data = x.data_ptr();
   const int64_t grain = std::max<int64_t>(1, 32768 / k);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t first = row / tile_height * tile_height, h = std::min(tile_height, rows - first);
       const int64_t i = row - first;  // the row's place in its tile
       auto quantize = [&](const auto* xr) {
-        quantize_row<FVec>(xr + row * x.stride(0), blocks, h, offset, per_token, r.quants.data_ptr<int8_t>() + first * k + 4 * i,
-                           r.dx.data_ptr<float>() + first * blocks + i,
-                           r.dx_sums.data_ptr<float>() + first * blocks + i,
-                           r.starts.data_ptr<int32_t>() + first * blocks + i);
+        quantize_row<FVec>(xr + row * x_stride, blocks, h, offset, per_token, quants + first * k + 4 * i,
+                           dx + first * blocks + i, dx_sums + first * blocks + i, starts + first * blocks + i);
       };
-      if (x.scalar_type() == at::kBFloat16) quantize(x.data_ptr<c10::BFloat16>());
-      else quantize(x.data_ptr<float>());
+      if (bf16) quantize(static_cast<const c10::BFloat16*>(x_data));
+      else quantize(static_cast<const float*>(x_data));
     }
   });
-  return r;
+  return QuantRows{quants, dx, dx_sums, starts, k, blocks, tile_height};
 }
 
 // One tile's rows, columns and blocks (a run of `blocks` from the first one the pointers are at):
@@ -396,7 +412,7 @@ void tile_rows(int64_t m, const TileArgs& a) {
 template <typename T>
 void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias,
                 int64_t stream_ahead, at::Tensor& out) {
-  const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.dx.size(1);
+  const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.blocks;
   const int64_t block_stride = group_stride / blocks;
   const bool few = rows <= T::kFewRows;
   const int64_t tile_height = xq.tile_height, tile_panels = few ? T::kWide : T::kNarrow;
@@ -409,6 +425,9 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
   const int64_t run_blocks = in_runs ? std::max<int64_t>(1, 32768 / block_stride) : blocks;
   const int64_t next_run = run_blocks * block_stride;
   const uint8_t* first_group = packed.data_ptr<uint8_t>() + kHeaderBytes;
+  char* const out_data = static_cast<char*>(out.data_ptr());
+  const int64_t out_bytes = out.element_size();
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
   at::parallel_for(0, groups * num_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(run_blocks < blocks ? block_rows * kGroupCols : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -419,18 +438,15 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
           const int64_t m = std::min(tile_height, row_end - r);
           for (int64_t panel = 0; panel < kGroupPanels; panel += tile_panels) {
             const int64_t col = g * kGroupCols + panel * kPanelCols;
-            const TileArgs args{xq.quants.data_ptr<int8_t>() + r * xq.quants.size(1) + b * kBlock * m,
-                                xq.dx.data_ptr<float>() + r * blocks + b * m,
-                                xq.dx_sums.data_ptr<float>() + r * blocks + b * m,
-                                xq.starts.data_ptr<int32_t>() + r * blocks + b * m,
+            const TileArgs args{xq.quants + r * xq.k + b * kBlock * m, xq.dx + r * blocks + b * m,
+                                xq.dx_sums + r * blocks + b * m, xq.starts + r * blocks + b * m,
                                 first_group + g * group_stride + b * block_stride, panel, block_stride,
                                 std::min(run_blocks, blocks - b),
                                 sums.data() + (r - row_begin) * kGroupCols + panel * kPanelCols, b > 0,
                                 b + run_blocks >= blocks, stream_ahead,
                                 r > row_begin && b + run_blocks < blocks ? next_run : 0,
                                 bias == nullptr ? nullptr : bias + col,
-                                static_cast<char*>(out.data_ptr()) + (r * n + col) * out.element_size(),
-                                out.scalar_type() == at::kBFloat16, n, n - col};
+                                out_data + (r * n + col) * out_bytes, out_bf16, n, n - col};
             if (few) tile_rows<T, T::kWide, T::kFewTileRows>(m, args);
             else tile_rows<T, T::kNarrow, T::kTileRows>(m, args);
           }
@@ -449,7 +465,10 @@ void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, c
     const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
     using T = Tiles<Quads, FVec, Bits, HasMins, PerToken>;
     const int64_t tile_height = x.size(0) <= T::kFewRows ? T::kFewTileRows : T::kTileRows;
-    const QuantRows xq = quantize_rows<FVec>(x, offset, PerToken, tile_height);
+    thread_local QuantBuffers kept;
+    QuantBuffers fresh;
+    QuantBuffers& buffers = x.size(0) * x.size(1) <= kKeptQuantBytes ? kept : fresh;
+    const QuantRows xq = quantize_rows<FVec>(x, offset, PerToken, tile_height, buffers);
     run_groups<T>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, stream_ahead, out);
   }
 }
