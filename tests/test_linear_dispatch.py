@@ -120,6 +120,21 @@ def test_quantized_weights_stream_the_way_timed_faster_here_once_per_host(faster
     assert later.quant_stream_ahead() == QUANT_STREAMS[faster] and timer.calls == 1
 
 
+@pytest.mark.parametrize(
+    ("ours", "hardware", "chosen"),
+    [(1.0, 0.95, "software prefetch"), (1.0, 0.91, "software prefetch"), (1.0, 0.85, "hardware prefetch")],
+)
+def test_a_near_tie_streams_with_our_prefetch(ours, hardware, chosen, tmp_path):
+    """The hardware's prefetch alone is taken only when it times more than STREAM_MARGIN faster:
+    on a busy host the timer puts the two within a few percent where a decode step differed far
+    more, our way faster."""
+    timer = _fake_timer(
+        {"software prefetch": [ours] * len(ROW_COUNTS), "hardware prefetch": [hardware] * len(ROW_COUNTS)}
+    )
+    dispatch = LinearDispatch(cache_path=tmp_path / "dispatch.json", stream_timer=timer)
+    assert dispatch.quant_stream_ahead() == QUANT_STREAMS[chosen]
+
+
 @pytest.mark.skipif(not cpu_ops.serves_quant_linear(4, 64, 64), reason="no integer kernel on this build")
 def test_the_quantized_stream_timing_runs_on_weights_beyond_the_cache(monkeypatch):
     """The real timer on the kernel, both ways, each path's passes over copies enough to overflow

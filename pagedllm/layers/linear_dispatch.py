@@ -27,8 +27,9 @@ Quantized weights have one kernel, but how it streams them differs: prefetching 
 ~1.2x faster than the hardware's own prefetch on one Zen 5 host and ~1.3x slower on another of
 the same kind. `quant_stream_ahead` times a decode step's 1-row product both ways, once per host,
 on a 4-bit weight of a 1B model's attention projections' size (QUANT_STREAM_SHAPE), as the median
-of passes over copies of it (time_streams); every quantized projection streams the faster way.
-The results are the same either way.
+of passes over copies of it (time_streams); every quantized projection streams with our prefetch
+unless the hardware's alone timed more than STREAM_MARGIN faster. The results are the same either
+way.
 
 Cache: the timings (not the choices, so a change of rule needs no new timing) per host, in one
 small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
@@ -80,6 +81,10 @@ where how a stream starts matters most; its fused gate/up (18 MiB) told the two 
 less than a decode step does, and not every time (docs/benchmarks.md)."""
 STREAM_PASSES = 10
 """Passes over a path's copies for quant_stream_ahead."""
+STREAM_MARGIN = 0.10
+"""How much faster the hardware's prefetch alone must time to be chosen. A loop of products on a
+busy host puts the two ways within a few percent of each other, either way round, where a decode
+step ran ~1.3x faster with ours (docs/benchmarks.md): a near tie goes to our prefetch."""
 
 LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Seconds = dict[str, list[float]]
@@ -246,27 +251,36 @@ class LinearDispatch:
         return chosen
 
     def quant_stream_ahead(self) -> int:
-        """quant_linear's stream_ahead on this host: the faster of QUANT_STREAMS at one row."""
+        """quant_linear's stream_ahead on this host: our prefetch, unless the hardware's alone
+        timed more than STREAM_MARGIN faster at one row."""
         if self._quant_stream is None:
             paths = {name: _quant_stream_path(ahead) for name, ahead in QUANT_STREAMS.items()}
             weight = torch.empty(QUANT_STREAM_SHAPE)
             key = "quantized 4-bit {}x{}, median of passes".format(*QUANT_STREAM_SHAPE)
-            self._quant_stream = self._timed_choice(weight, key, paths, [1], self.stream_timer)
+            seconds = self._timings(weight, key, paths, [1], self.stream_timer)
+            ours, hardware = seconds["software prefetch"][0], seconds["hardware prefetch"][0]
+            faster = hardware * (1 + STREAM_MARGIN) < ours
+            self._quant_stream = "hardware prefetch" if faster else "software prefetch"
         return QUANT_STREAMS[self._quant_stream]
 
-    def _timed_choice(
+    def _timed_choice(self, weight: torch.Tensor, key: str, paths: Mapping[str, LinearPath]) -> str:
+        rows = timed_rows(*weight.shape)
+        return best_single(rows, self._timings(weight, key, paths, rows, self.timer))
+
+    def _timings(
         self,
         weight: torch.Tensor,
         key: str,
         paths: Mapping[str, LinearPath],
-        rows: Sequence[int] | None = None,
-        timer: Timer | None = None,
-    ) -> str:
-        rows = list(rows) if rows is not None else timed_rows(*weight.shape)
+        rows: Sequence[int],
+        timer: Timer,
+    ) -> Seconds:
+        """Each path's seconds at each row count: from the cache, else timed (and cached if settled)."""
+        rows = list(rows)
         entry = self._cache()["shapes"].get(key)
         if not _valid(entry, paths, rows):
             self.num_timed += 1
-            seconds, settled = self._time(weight, paths, rows, timer or self.timer)
+            seconds, settled = self._time(weight, paths, rows, timer)
             entry = {"rows": rows, "seconds": seconds}
             logger.debug("Linear dispatch timed %s (settled: %s): %s", key, settled, entry)
             self._cache()["shapes"][key] = entry  # this load's other weights of the shape
@@ -274,7 +288,7 @@ class LinearDispatch:
                 self._store(key, entry)
             else:
                 self.num_unsettled += 1
-        return best_single(rows, {name: entry["seconds"][name] for name in paths})
+        return {name: entry["seconds"][name] for name in paths}
 
     def _time(
         self, weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Sequence[int], timer: Timer
