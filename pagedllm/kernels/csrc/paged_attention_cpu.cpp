@@ -134,7 +134,7 @@ struct Attend {
     const int64_t unit = std::lcm<int64_t>(16, block_size);  // cuts on tile and block boundaries
     const int64_t units = (max_len + unit - 1) / unit, key_chunks = std::min(num_threads, units);
     at::parallel_for(0, key_chunks, 1, [&](int64_t begin, int64_t end) {
-      Work local;
+      thread_local Work local;  // kept from call to call: a decode's attention is a few microseconds
       share_queries(w, local);
       local.scores.resize(w.scores.size());
       for (int64_t c = begin; c < end; ++c) {
@@ -153,7 +153,7 @@ struct Attend {
     normalize(stride, w);
     const int64_t dim_units = head_dim / 64, dim_chunks = std::min(num_threads, dim_units);
     at::parallel_for(0, dim_chunks, 1, [&](int64_t begin, int64_t end) {
-      Work local;
+      thread_local Work local;
       share_queries(w, local);
       local.weights_bf16 = w.weights_bf16;
       local.accs.assign(w.accs.size(), 0.f);
@@ -487,7 +487,7 @@ void attend(const Attend<Row>& attend, const std::vector<Part>& parts, const std
   const int64_t num_tasks = static_cast<int64_t>(task_starts.size()) - 1, num_threads = at::get_num_threads();
   const bool all_decodes = std::all_of(parts.begin(), parts.end(), [](const Part& part) { return part.num_rows == 1; });
   if (num_tasks * attend.num_kv_heads < num_threads && all_decodes && attend.splits()) {
-    typename Attend<Row>::Work work;
+    thread_local typename Attend<Row>::Work work;  // a lone decode's: small, kept from call to call
     for (int64_t task = 0; task < num_tasks * attend.num_kv_heads; ++task) {
       const int64_t kv_head = task / num_tasks, i = task % num_tasks;
       attend.run_split(kv_head, parts.data() + task_starts[i], task_starts[i + 1] - task_starts[i], work, num_threads);
