@@ -150,7 +150,7 @@ struct QuantRows {
   const int8_t* quants;  // [rows, k]
   const float *dx, *dx_sums;  // [rows, blocks]
   const int32_t* starts;  // [rows, blocks]
-  int64_t k, blocks, tile_height;
+  int64_t k, tile_height;
 };
 
 // QuantRows' storage. A decode step makes a hundred calls of a few rows each: their buffers are kept
@@ -162,6 +162,12 @@ struct QuantBuffers {
   std::vector<float> dx, dx_sums;
   std::vector<int32_t> starts;
 };
+
+// The calling thread's kept buffers: one set for every bit width and layout
+QuantBuffers& kept_quant_buffers() {
+  thread_local QuantBuffers kept;
+  return kept;
+}
 
 template <typename FVec, typename T>
 void quantize_row(const T* x, int64_t blocks, int64_t h, int32_t offset, bool per_token, int8_t* quants, float* dx,
@@ -225,7 +231,7 @@ QuantRows quantize_rows(const at::Tensor& x, int32_t offset, bool per_token, int
       else quantize(static_cast<const float*>(x_data));
     }
   });
-  return QuantRows{quants, dx, dx_sums, starts, k, blocks, tile_height};
+  return QuantRows{quants, dx, dx_sums, starts, k, tile_height};
 }
 
 // One tile's rows, columns and blocks (a run of `blocks` from the first one the pointers are at):
@@ -412,7 +418,7 @@ void tile_rows(int64_t m, const TileArgs& a) {
 template <typename T>
 void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias,
                 int64_t stream_ahead, at::Tensor& out) {
-  const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.blocks;
+  const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.k / kBlock;
   const int64_t block_stride = group_stride / blocks;
   const bool few = rows <= T::kFewRows;
   const int64_t tile_height = xq.tile_height, tile_panels = few ? T::kWide : T::kNarrow;
@@ -465,9 +471,8 @@ void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, c
     const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
     using T = Tiles<Quads, FVec, Bits, HasMins, PerToken>;
     const int64_t tile_height = x.size(0) <= T::kFewRows ? T::kFewTileRows : T::kTileRows;
-    thread_local QuantBuffers kept;
     QuantBuffers fresh;
-    QuantBuffers& buffers = x.size(0) * x.size(1) <= kKeptQuantBytes ? kept : fresh;
+    QuantBuffers& buffers = x.size(0) * x.size(1) <= kKeptQuantBytes ? kept_quant_buffers() : fresh;
     const QuantRows xq = quantize_rows<FVec>(x, offset, PerToken, tile_height, buffers);
     run_groups<T>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, stream_ahead, out);
   }
