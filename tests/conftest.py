@@ -4,8 +4,10 @@ and what keeps test servers from outliving the test process."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import signal
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -23,10 +25,20 @@ def _interrupt(signum: int, _: FrameType | None) -> None:
     raise KeyboardInterrupt(f"{signal.Signals(signum).name}")
 
 
+_CACHE_DIR = tempfile.mkdtemp(prefix="pagedllm-test-cache-")
+
+
 def pytest_sessionstart() -> None:
     """SIGTERM (`make test` stopped, a CI job cancelled) ends the run as Ctrl-C does: pytest then
-    runs the fixtures' finalizers and the tests' `finally` blocks, which stop their servers."""
+    runs the fixtures' finalizers and the tests' `finally` blocks, which stop their servers.
+    pagedllm's cache goes to a folder of the run's own (the test servers inherit it): timings
+    taken while the suite loads the cores must not become the user's choices."""
     signal.signal(signal.SIGTERM, _interrupt)
+    os.environ["PAGEDLLM_CACHE_DIR"] = _CACHE_DIR
+
+
+def pytest_sessionfinish() -> None:
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 @dataclass
