@@ -175,3 +175,27 @@ def test_penalties_at_checked_positions_count_the_draft_tokens_before_them():
     for j in range(4):
         counts = torch.bincount(torch.tensor([3, *draft[:j]]), minlength=8).float()
         assert torch.equal(penalized[j], -counts), j
+
+
+def test_a_decode_step_reuses_the_metadata_until_the_rows_change():
+    """The sampler's metadata is gathered again only when a row is taken or given back, or
+    where it moves with the step (penalties count the output so far): each step it equals a
+    fresh gather."""
+    batch = InputBatch(3, 16, 1, 8, torch.device("cpu"))
+    batch.update(SchedulerOutput(new_requests=[request("a", temperature=0.7, top_k=3, seed=1)]))
+    rows = [batch.row_of["a"]]
+    first = batch.sampling_metadata(rows)
+    batch.append_tokens(rows, [[5]])
+    assert batch.sampling_metadata(rows) is first
+    batch.update(SchedulerOutput(new_requests=[request("b", frequency_penalty=1.0)]))
+    rows = [batch.row_of["a"], batch.row_of["b"]]
+    before = batch.sampling_metadata(rows)
+    assert before is not first and before.penalties is not None
+    batch.append_tokens(rows, [[6], [6]])
+    after = batch.sampling_metadata(rows)
+    assert after is not before and torch.equal(after.penalties.is_output.sum(1), torch.tensor([1]))
+    batch.update(SchedulerOutput(finished_req_ids={"b"}))
+    rows = [batch.row_of["a"]]
+    again = batch.sampling_metadata(rows)
+    assert again is not first and again.generators.keys() == {0}
+    assert torch.equal(again.top_k, torch.tensor([3]))

@@ -75,6 +75,10 @@ class InputBatch:
         """Row -> its request's id (empty: a free row)."""
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self._last_metadata: tuple[tuple[int, ...], SamplingMetadata] | None = None
+        """The rows and the sampling metadata last gathered for them, where no part of it moves
+        from step to step (no penalties, no min_tokens ban): a decode step reuses it until a row
+        is taken or given back."""
 
     # ---- the step's delta ----------------------------------------------------------------------
 
@@ -115,6 +119,15 @@ class InputBatch:
         """The sampler's view of these rows, in this order (the order of the logits' rows).
         drafts_before (speculative decoding): per logits row, how many of its request's draft
         tokens come before that position; penalties count them as output there."""
+        key = tuple(rows)
+        if drafts_before is None and self._last_metadata is not None and self._last_metadata[0] == key:
+            return self._last_metadata[1]
+        metadata = self._gather_sampling_metadata(rows, drafts_before)
+        if drafts_before is None and metadata.penalties is None and metadata.banned is None:
+            self._last_metadata = (key, metadata)
+        return metadata
+
+    def _gather_sampling_metadata(self, rows: list[int], drafts_before: list[int] | None) -> SamplingMetadata:
         index = np.array(rows, dtype=np.int64)
         is_greedy = [self._greedy[row] for row in rows]
         cuts_top = any(self._cuts_top[row] for row in rows)
@@ -188,6 +201,7 @@ class InputBatch:
     def _remove(self, req_ids: Iterable[str], finished: bool) -> None:
         """Give the rows of these requests back; a finished one's generator goes too."""
         for req_id in req_ids:
+            self._last_metadata = None
             if finished:
                 self.generators.pop(req_id, None)
             row = self.row_of.pop(req_id, None)
@@ -199,6 +213,7 @@ class InputBatch:
             self._free_rows.append(row)
 
     def _add(self, new: NewRequestData) -> None:
+        self._last_metadata = None
         row = self._free_rows.pop()
         self.req_ids[row] = new.req_id
         self.row_of[new.req_id] = row
