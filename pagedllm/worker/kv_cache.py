@@ -116,8 +116,13 @@ def allocate_kv_caches(
 def _fresh_pages(num_bytes: int) -> torch.Tensor:
     """Zeroed host memory that costs nothing until used: fresh anonymous pages, which the kernel
     zeroes as each is first touched. Writing zeros over gigabytes instead held up every start
-    (and took the memory of blocks no request may ever reach)."""
+    (and took the memory of blocks no request may ever reach). Asked for on 2 MiB pages where the
+    kernel gives them (transparent huge pages, `madvise` or `always`): a request's blocks lie
+    anywhere in the cache, and on 4 KiB pages attention's row reads wait on address translation
+    (docs/benchmarks.md). Memory is then taken 2 MiB at a time as blocks are written."""
     pages = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
