@@ -24,6 +24,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.entrypoints.llm import LLM
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
 from pagedllm.request import Request
@@ -136,6 +137,14 @@ class RemoteServer:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
+
+
+def rows_free(llm: LLM) -> LLM:
+    """The engine's step-cost model pinned to "a row is free" (a memory-bound step): a test that
+    counts the drafts kept then does not depend on how busy the host's cores were while the steps it
+    timed ran (the back-off policy itself is tested on the model, in test_spec_decode)."""
+    llm.llm_engine.scheduler.step_cost.row_cost = lambda rows: 0.0  # type: ignore[method-assign]
+    return llm
 
 
 def assert_openai_error(response: httpx.Response, status: int, names: str) -> None:

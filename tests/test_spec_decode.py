@@ -23,7 +23,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
 
-from .helpers import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS, rows_free
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
@@ -147,8 +147,8 @@ def test_step_cost_model_recovers_a_linear_step_time():
 
 @pytest.fixture(scope="module")
 def spec_llm() -> LLM:
-    """Four requests at a time: a draft row is cheap (the back-off leaves drafts on)."""
-    return LLM(**TEST_ENGINE_ARGS, speculative_config=NGRAM, max_num_seqs=4)
+    """Four requests at a time, draft rows taken as free (the back-off leaves drafts on)."""
+    return rows_free(LLM(**TEST_ENGINE_ARGS, speculative_config=NGRAM, max_num_seqs=4))
 
 
 REPETITIVE = "one two three four five six seven eight nine ten. " * 4 + "Again: one two three"

@@ -17,7 +17,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import RequestGrammar
 from pagedllm.structured_output.bitmask import fill_bitmask
 
-from .helpers import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS, rows_free
 
 ITEM = {
     "type": "object",
@@ -86,10 +86,12 @@ def _grammar_after(llm: LLM, tokens: list[int]) -> RequestGrammar:
 
 @pytest.fixture(scope="module")
 def spec_llm() -> LLM:
-    return LLM(
-        **TEST_ENGINE_ARGS,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
-        max_num_seqs=4,
+    return rows_free(
+        LLM(
+            **TEST_ENGINE_ARGS,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+            max_num_seqs=4,
+        )
     )
 
 
@@ -147,9 +149,11 @@ FORM = {
 def test_tokens_the_grammar_forces_are_checked_as_drafts(llm):
     """No JSON in the prompt for the n-gram proposer to copy: the drafts are the schema's keys,
     which the grammar forces; the output is plain constrained decoding's."""
-    spec = LLM(
-        **TEST_ENGINE_ARGS,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 4},
+    spec = rows_free(
+        LLM(
+            **TEST_ENGINE_ARGS,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 4},
+        )
     )
     params = SamplingParams(
         temperature=0.0,
