@@ -37,7 +37,10 @@ class ParallelLMHead(Linear):
 
     def tie_quantized(self, table: BlockQuantized) -> None:
         """Compute from the embedding's quantized table (this rank's rows of it when split)."""
-        self.set_quantized(table if not self.vocab_parallel else self._rows(table))
+        if self.vocab_parallel:
+            assert self.tp is not None
+            table = table.rows(self.tp.rank * self.out_features, self.out_features)
+        self.set_quantized(table)
 
     def choose_impl(
         self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch | None = None

@@ -138,9 +138,8 @@ def load_model(
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {folder}")
-        weights = _iter_tensors(files)
-        if checkpoint is not None:
-            weights = iter_checkpoint_weights(weights, checkpoint)
+        tensors = _iter_tensors(files)
+        weights = tensors if checkpoint is None else iter_checkpoint_weights(tensors, checkpoint)
     size = sum(file.stat().st_size for file in files)
     logger.info(
         "Loading weights from %s (%d file%s, %.2f GiB) as %s on %s%s",
