@@ -156,6 +156,21 @@ def test_quant_linear_gives_a_row_the_same_bits_whatever_shares_the_call(bits, m
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_prompt_in_row_blocks_gives_each_row_the_bits_of_a_small_call(bits):
+    """A prompt's rows go in blocks whose quantized activations stay in cache (K = 8,192: ~250
+    rows a block, with enough column groups that the threads need no split by rows): across the
+    blocks' edges every row equals itself computed in a call of a few rows."""
+    gen = torch.Generator().manual_seed(600 + bits)
+    n, k = 520, 8192
+    q, scales, mins = make_weight(bits, n, k, "none", gen)
+    packed = cpu_ops.pack_quant_linear(q, scales, mins, bits)
+    x = torch.randn(600, k, generator=gen).bfloat16()
+    whole = cpu_ops.quant_linear(x, packed, bits, n, k, None)
+    pieces = [cpu_ops.quant_linear(x[i : i + 8], packed, bits, n, k, None) for i in range(0, 600, 8)]
+    assert torch.equal(whole, torch.cat(pieces))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(112, 256), (100, 2048), (48, 8192)])
 def test_per_token_quant_linear_is_a_w8a8_product(dtype, n, k):
