@@ -571,6 +571,20 @@ def test_few_rows_linear_gives_a_row_the_same_bits_whatever_rows_share_the_call(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_in_row_blocks_gives_each_row_the_bits_of_a_small_call(dtype):
+    """A prompt's rows go in blocks whose activations stay in cache (K = 8,192: 64-128 rows a
+    block, with enough panel groups that the threads need no split by rows): across the blocks'
+    edges every row equals itself computed in a call of a few rows."""
+    if not _few_rows_available(dtype):
+        pytest.skip(f"this CPU build has no few-rows kernel for {dtype}")
+    gen = torch.Generator().manual_seed(8)
+    packed = cpu_ops.pack_few_rows((torch.randn(512, 8192, generator=gen) * 0.01).to(dtype))
+    x = torch.randn(300, 8192, generator=gen).to(dtype)
+    pieces = [cpu_ops.few_rows_linear(x[i : i + 6], packed, None) for i in range(0, 300, 6)]
+    assert torch.equal(cpu_ops.few_rows_linear(x, packed, None), torch.cat(pieces))
+
+
 def test_few_rows_linear_rejects_a_weight_it_cannot_pack():
     if not cpu_ops.is_built():
         pytest.skip("no CPU kernel build")

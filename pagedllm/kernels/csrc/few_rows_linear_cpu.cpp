@@ -25,6 +25,7 @@
 
 #include "cpu_types.h"
 #include "ops.h"
+#include "row_blocks.h"
 
 #include <algorithm>
 #include <cstring>
@@ -165,8 +166,8 @@ void tile_rows(int64_t m, const TileArgs<typename Tiles::T>& a) {
 }
 
 // Threads take groups of panels, each running its row tiles over the group's panels (later
-// tiles read them from cache). Where there are fewer groups than about 4 per thread (a narrow
-// weight on many cores), the rows are split into blocks too, each block a task of its own.
+// tiles read them from cache); the rows in blocks where row_blocks.h says, each block a task of
+// its own.
 template <typename Tiles>
 void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* bias, at::Tensor& out) {
   using T = typename Tiles::T;
@@ -177,12 +178,12 @@ void run_panels(const at::Tensor& x, const at::Tensor& packed, const at::Tensor*
   const int64_t per_group = few ? Tiles::kWide : Tiles::kNarrow;
   const int64_t num_groups = (num_panels + per_group - 1) / per_group;
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
-  const int64_t wanted_tasks = 4 * at::get_num_threads();
-  const int64_t blocks = num_groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + num_groups - 1) / num_groups);
-  const int64_t block_rows = (row_tiles + blocks - 1) / blocks * kTileRows;
-  const int64_t num_blocks = (rows + block_rows - 1) / block_rows;
   const char* x_data = static_cast<const char*>(x.data_ptr());
   const int64_t x_row_bytes = x.size(1) * x.element_size();
+  const int64_t blocks =
+      pagedllm_cpu::num_row_blocks(row_tiles, kTileRows * x_row_bytes, num_groups, at::get_num_threads());
+  const int64_t block_rows = (row_tiles + blocks - 1) / blocks * kTileRows;
+  const int64_t num_blocks = (rows + block_rows - 1) / block_rows;
   const int64_t x_stride = steps;  // in steps (a float, or a pair of bfloat16)
   const char* panels = static_cast<const char*>(packed.data_ptr());
   const int64_t panel_bytes = panel_stride * packed.element_size();

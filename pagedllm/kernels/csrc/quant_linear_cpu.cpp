@@ -47,6 +47,7 @@
 #include "cpu_types.h"
 #include "ops.h"
 #include "quant_linear_layout.h"
+#include "row_blocks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -410,16 +411,12 @@ void tile_rows(int64_t m, const TileArgs& a) {
 // Threads take groups, each running its row tiles over the group. Where there are a few (2-6),
 // they take a run of blocks (~32 KiB) at a time: the first tile streams it from memory, the
 // others read it from cache and prefetch the next run meanwhile (a decode step of 4-32 rows:
-// 8-bit ~1.2-1.3x faster on Zen 5; with more tiles, runs were slower). With fewer groups than
-// about 4 per thread, blocks of rows too. A tile streaming from memory prefetches stream_ahead
-// bytes ahead, or leaves it to the hardware (0): which is faster differs between hosts of one
-// kind (a 1-row product on Zen 5: ~31 GB/s with 4 KiB on one core, ~25-27 without; on another,
-// the other way round), so the caller times it (layers/linear_dispatch.py). A prompt's rows go in
-// blocks of at most kRowBlockBytes of quantized activations, each block passed over by every group
-// before the next: a 2,048-row step's activations for a K of 8,192 (16 MiB) read once per group
-// came from memory, a block's stay in cache (docs/benchmarks.md).
-constexpr int64_t kRowBlockBytes = 2 << 20;
-
+// 8-bit ~1.2-1.3x faster on Zen 5; with more tiles, runs were slower). A tile streaming from
+// memory prefetches stream_ahead bytes ahead, or leaves it to the hardware (0): which is faster
+// differs between hosts of one kind (a 1-row product on Zen 5: ~31 GB/s with 4 KiB on one core,
+// ~25-27 without; on another, the other way round), so the caller times it
+// (layers/linear_dispatch.py). The rows go in blocks where row_blocks.h says (a narrow weight's,
+// to give every thread work; a prompt's, so that its quantized activations stay in cache).
 template <typename T>
 void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias,
                 int64_t stream_ahead, at::Tensor& out) {
@@ -427,10 +424,8 @@ void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_str
   const int64_t block_stride = group_stride / blocks;
   const bool few = rows <= T::kFewRows;
   const int64_t tile_height = xq.tile_height, tile_panels = few ? T::kWide : T::kNarrow;
-  const int64_t row_tiles = (rows + tile_height - 1) / tile_height, wanted_tasks = 4 * at::get_num_threads();
-  const int64_t cached_tiles = std::max<int64_t>(1, kRowBlockBytes / (tile_height * xq.k));
-  const int64_t split = std::max((row_tiles + cached_tiles - 1) / cached_tiles,
-                                 groups >= wanted_tasks ? 1 : std::min(row_tiles, (wanted_tasks + groups - 1) / groups));
+  const int64_t row_tiles = (rows + tile_height - 1) / tile_height;
+  const int64_t split = pagedllm_cpu::num_row_blocks(row_tiles, tile_height * xq.k, groups, at::get_num_threads());
   const int64_t block_rows = (row_tiles + split - 1) / split * tile_height;
   const int64_t num_blocks = (rows + block_rows - 1) / block_rows;
   const int64_t tiles_per_task = (block_rows + tile_height - 1) / tile_height;
