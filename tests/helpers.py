@@ -142,7 +142,7 @@ class RemoteServer:
 def rows_free(llm: LLM) -> LLM:
     """The engine's step-cost model pinned to "a row is free" (a memory-bound step): a test that
     counts the drafts kept then does not depend on how busy the host's cores were while the steps it
-    timed ran (the back-off policy itself is tested on the model, in test_spec_decode)."""
+    timed ran (the back-off itself is tested with fake timings, in test_spec_decode)."""
     llm.llm_engine.scheduler.step_cost.row_cost = lambda rows: 0.0  # type: ignore[method-assign]
     return llm
 

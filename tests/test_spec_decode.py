@@ -23,7 +23,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
 
-from .helpers import TEST_ENGINE_ARGS, rows_free
+from .helpers import TEST_ENGINE_ARGS, fake_run, make_request, make_scheduler, rows_free
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
@@ -140,6 +140,26 @@ def test_step_cost_model_recovers_a_linear_step_time():
     assert t0 == pytest.approx(0.010, rel=1e-6) and t1 == pytest.approx(0.0005, rel=1e-6)
     assert model.row_cost(1) == pytest.approx(0.0005 / 0.0105)
     assert 0 < model.row_cost(4) < model.row_cost(64) < 1
+
+
+@pytest.mark.parametrize("rows_dear", [True, False])
+def test_a_request_whose_drafts_were_rejected_stops_checking_them_where_rows_are_dear(rows_dear):
+    """The scheduler's back-off: where the steps' timings say a row costs most of a step, a request
+    whose drafts were all rejected checks none the next step (until a probe); where nothing was
+    timed (rows free), it keeps checking them."""
+    scheduler = make_scheduler(speculative_config=NGRAM)
+    if rows_dear:
+        for rows in (1, 16, 1, 16):
+            scheduler.record_step_time(rows, 0.001 + 0.01 * rows)
+    scheduler.add_request(make_request("r", 6, max_tokens=20))
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, fake_run(scheduler, output, token=3, next_draft=[7, 8, 9]))
+    output = scheduler.schedule()
+    assert output.scheduled_spec_decode_tokens == {"r": [7, 8, 9]}  # nothing rejected yet
+    runner_output = fake_run(scheduler, output, token=4, num_accepted=0, next_draft=[7, 8, 9])
+    scheduler.update_from_output(output, runner_output)
+    output = scheduler.schedule()
+    assert output.scheduled_spec_decode_tokens == ({} if rows_dear else {"r": [7, 8, 9]})
 
 
 # ---- the engine with speculation on ------------------------------------------------------------
