@@ -129,21 +129,38 @@ def test_quantization_flag_refuses_what_cannot_apply():
 
 def test_default_gguf_served_quantized_agrees_with_its_dequantized_run(llm, caplog):
     """The default model's own Q4_1/Q8_0 blocks against the same weights dequantized (the
-    reference run, `llm`): the tokens each run picks, scored by the other, stay close."""
+    reference run, `llm`), scored on the reference's greedy tokens (teacher-forced): each token's
+    logprob stays close, and so does the perplexity. Not the length of the run the two greedy
+    decodes share: one early near tie that another CPU's rounding flips changes every later token.
+    Here (AVX-512-BF16, float32): mean |logprob difference| 0.04, perplexity +0.3%, 70 of 72
+    tokens still the quantized run's first choice; the bounds leave three times that room."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    reference = llm.generate(prompts, params, use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokenize = llm.get_tokenizer()
+    prompt_ids = [tokenize(p).input_ids for p in prompts]
+    sequences = [
+        ids + list(out.outputs[0].token_ids)
+        for ids, out in zip(prompt_ids, llm.generate(prompts, greedy, use_tqdm=False), strict=True)
+    ]
     with caplog.at_level("INFO"):
         quantized = LLM(**{**TEST_ENGINE_ARGS, "quantization": None})
     assert "Q4_1" in caplog.text  # the start-up line says how the weights are held
-    outputs = quantized.generate(prompts, params, use_tqdm=False)
-    agree = total = 0
-    for ours, theirs in zip(outputs, reference, strict=True):
-        a, b = ours.outputs[0].token_ids, theirs.outputs[0].token_ids
-        first_difference = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        agree += first_difference
-        total += len(a)
-    assert agree / total >= 0.5, f"greedy runs agree on {agree} of {total} leading tokens"
+    reference_scores = _score_answers(llm, sequences, [len(ids) for ids in prompt_ids])
+    quantized_scores = _score_answers(quantized, sequences, [len(ids) for ids in prompt_ids])
+    differences = [
+        abs(a.logprob - b.logprob) for a, b in zip(reference_scores, quantized_scores, strict=True)
+    ]
+    mean_difference = sum(differences) / len(differences)
+    assert mean_difference < 0.15, f"mean |logprob difference| {mean_difference:.3f} over the answers"
+    perplexity_ratio = np.exp(
+        sum(a.logprob - b.logprob for a, b in zip(reference_scores, quantized_scores, strict=True))
+        / len(differences)
+    )
+    assert perplexity_ratio < 1.10, (
+        f"the quantized run's perplexity is {perplexity_ratio:.3f}x the reference's"
+    )
+    first_choices = sum(b.is_first_choice for b in quantized_scores)
+    assert first_choices >= 0.8 * len(quantized_scores), f"{first_choices} of {len(quantized_scores)}"
 
     # `pagedllm plan` counts the same bytes from the file's tensor directory alone
     planned = gguf_weights_by_format(default_model_path(), TEST_ENGINE_ARGS["dtype"])
@@ -151,6 +168,28 @@ def test_default_gguf_served_quantized_agrees_with_its_dequantized_run(llm, capl
     assert planned.keys() == held.keys()
     for name, size in held.items():
         assert abs(planned[name] - size) <= 0.01 * size + 4096, (name, planned[name], size)
+
+
+@dataclasses.dataclass
+class Score:
+    logprob: float
+    """The logprob the engine gave the token."""
+    is_first_choice: bool
+    """Whether it was the engine's most likely token there."""
+
+
+def _score_answers(engine: LLM, sequences: list[list[int]], answer_starts: list[int]) -> list[Score]:
+    """Each answer token of `sequences` (from its answer_start on) scored by `engine` as a prompt."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outputs = engine.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    scores = []
+    for output, sequence, start in zip(outputs, sequences, answer_starts, strict=True):
+        for position in range(start, len(sequence)):
+            candidates = output.prompt_logprobs[position]
+            first = max(candidates, key=lambda token: candidates[token].logprob)
+            token = sequence[position]
+            scores.append(Score(candidates[token].logprob, token == first))
+    return scores
 
 
 @dataclasses.dataclass

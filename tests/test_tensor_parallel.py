@@ -294,7 +294,7 @@ def test_tp2_holds_a_row_parallel_share_that_cuts_blocks_as_float(tmp_path):
 def test_a_size_that_splits_heads_is_refused_saying_what_works():
     # the default SmolLM2-135M: 9 attention heads, 3 KV heads
     with pytest.raises(ValueError, match=r"2 does not divide this model's 9 attention heads.*: 1, 3$"):
-        LLM(dtype="float32", max_model_len=256, tensor_parallel_size=2)
+        LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes="64MiB", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("when", ["idle", "mid-request"])
@@ -311,6 +311,8 @@ def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, 
         "256",
         "--tensor-parallel-size",
         "2",
+        "--kv-cache-memory-bytes",
+        "64MiB",
         "--disable-log-stats",
     ]
     server = ServerProcess(args, log_path=log)

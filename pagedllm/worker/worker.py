@@ -145,6 +145,8 @@ class Worker:
         plan = plan_kv_cache(
             spec, self.kv_cache_budget_bytes(), max_model_len, self.config.num_gpu_blocks_override
         )
+        if self.device.type == "cpu":  # what is allocated: the override's blocks, else the budget's
+            _check_host_memory(plan.num_blocks * spec.bytes_per_block)
         if self.tp is None:
             return plan
         num_blocks = self.tp.min_over_ranks(plan.num_blocks)
@@ -154,10 +156,7 @@ class Worker:
         """Bytes the KV cache may take on this device."""
         if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
             return self._cuda_budget_bytes()
-        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-        if self.device.type == "cpu":
-            _check_host_memory(int(budget))
-        return int(budget)
+        return int(self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
 
     def initialize_cache(self, plan: KVCachePlan) -> None:
         assert self.model is not None
