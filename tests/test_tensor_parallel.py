@@ -339,7 +339,7 @@ def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, 
     finally:
         server.stop()
     assert status == 1
-    assert elapsed < 10
+    assert elapsed < 60  # noticed, not waited on forever (a busy host's monitor is slower than 10 s)
     text = log.read_text()
     assert f"tensor-parallel rank 1 (process {rank_1.pid}) was killed by SIGKILL" in text
     assert "The engine failed (WorkerDiedError" in text
