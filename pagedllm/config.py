@@ -271,10 +271,12 @@ class EngineConfig:
             "max_model_len",
             f"must be >= 1, got {self.max_model_len}",
         )
-        if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", max(2048, self.max_num_seqs))
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, self.max_num_seqs)
+            object.__setattr__(self, "max_num_batched_tokens", max_num_batched_tokens)
         need(
-            self.max_num_batched_tokens >= self.max_num_seqs,
+            max_num_batched_tokens >= self.max_num_seqs,
             "max_num_batched_tokens",
             f"{self.max_num_batched_tokens} is below max_num_seqs {self.max_num_seqs}; "
             "every running request needs a token per step",
@@ -295,10 +297,9 @@ class EngineConfig:
         )
         need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
         need(self.divergence_finder_tokens >= 0, "divergence_finder_tokens", "must be >= 0")
-        object.__setattr__(
-            self, "kv_offload_max_bytes", parse_memory_size(self.kv_offload_max_bytes, "kv_offload_max_bytes")
-        )
-        need(self.kv_offload_max_bytes > 0, "kv_offload_max_bytes", "must be positive")
+        kv_offload_max_bytes = parse_memory_size(self.kv_offload_max_bytes, "kv_offload_max_bytes")
+        object.__setattr__(self, "kv_offload_max_bytes", kv_offload_max_bytes)
+        need(kv_offload_max_bytes > 0, "kv_offload_max_bytes", "must be positive")
         need(
             self.kv_offload_dir is None or self.enable_prefix_caching,
             "kv_offload_dir",

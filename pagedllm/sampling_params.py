@@ -23,7 +23,7 @@ class StructuredOutputsParams:
     free whitespace lets a small model pad a reply with newlines until max_tokens.
     """
 
-    json: str | dict[str, Any] | None = None
+    json: str | dict[str, Any] | bool | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -39,6 +39,7 @@ class StructuredOutputsParams:
             )
         kind = asked[0]
         if kind == "json":
+            assert self.json is not None  # `asked` names the fields that are set
             parse_json_schema(self.json)  # bounded depth first: `spec` dumps an object schema
         elif kind == "json_object":
             if self.json_object is not True:
@@ -165,9 +166,10 @@ class SamplingParams:
             "prompt_logprobs",
             "must be an integer >= 0",
         )
+        stop_token_ids = self.stop_token_ids or []  # a list since __post_init__'s start
         need(
-            len(self.stop_token_ids) <= limits.MAX_STOP_TOKEN_IDS
-            and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            len(stop_token_ids) <= limits.MAX_STOP_TOKEN_IDS
+            and all(isinstance(t, int) and t >= 0 for t in stop_token_ids),
             "stop_token_ids",
             f"must be at most {limits.MAX_STOP_TOKEN_IDS} non-negative token ids",
         )

@@ -117,11 +117,11 @@ def _open_shm(rank: int, world_size: int, port: int, max_bytes: int, control) ->
     box = [path]
     dist.broadcast_object_list(box, src=0, group=control)
     path = box[0]
-    seen = [None] * world_size
+    seen: list[tuple[bool, int]] = [(False, 0)] * world_size
     mine = (path is not None and os.path.exists(path), os.getpid())
     dist.all_gather_object(seen, mine, group=control)
     shm = None
-    if all(sees for sees, _ in seen):
+    if path is not None and all(sees for sees, _ in seen):
         shm = ShmAllReduce(path, rank, world_size, max_bytes, COLLECTIVE_TIMEOUT.total_seconds())
         shm.set_peer_pids([pid for _, pid in seen])
     dist.barrier(group=control)

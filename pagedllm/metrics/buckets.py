@@ -17,7 +17,8 @@ REQUEST_PARAMS_N = [1.0, 2.0, 5.0, 10.0, 20.0]
 
 def token_buckets(max_value: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's build_1_2_5_buckets), for token counts."""
-    buckets, exponent = [], 0
+    buckets: list[float] = []
+    exponent = 0
     while True:
         for mantissa in (1, 2, 5):
             value = mantissa * 10**exponent

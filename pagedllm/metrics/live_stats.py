@@ -83,7 +83,8 @@ class LiveStats:
             "prefix_cache": prefix_cache,
             "spec_decode": None if stats.spec_decode is None else stats.spec_decode.snapshot(),
             "latency_s": {
-                phase: _percentiles([r[phase] for r in window if r[phase] is not None]) for phase in _PHASES
+                phase: _percentiles([value for r in window if (value := r[phase]) is not None])
+                for phase in _PHASES
             },
             "window": len(window),
             "history": history,
