@@ -1,7 +1,7 @@
 """One stream on a GGUF file, by token ids: pagedllm offline beside llama.cpp's `llama-bench`, in turn.
 
     .venv/bin/python benchmarks/quantized_models/offline_vs_llama_bench.py \
-        --llama-bench /work/peers/llama.cpp-build/bin/llama-bench --rounds 2 FILE.gguf [FILE.gguf ...]
+        --llama-bench $LLAMA_CPP_BUILD/bin/llama-bench --rounds 2 FILE.gguf [FILE.gguf ...]
 
 Where a served comparison cannot be fair, this one is: both engines get token ids, so neither
 tokenizer is involved (a file written by write_gguf.py in a shape whose architecture has its own

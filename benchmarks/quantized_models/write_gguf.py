@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/quantized_models/write_gguf.py --shape llama-1b --type Q4_0 --out FILE
     .venv/bin/python benchmarks/quantized_models/write_gguf.py --shape llama-1b --type Q4_K_M --out FILE \
-        --llama-quantize /work/peers/llama.cpp-build/bin/llama-quantize
+        --llama-quantize $LLAMA_CPP_BUILD/bin/llama-quantize
 
 Random weights (about N(0, 0.02), norms 1, fixed seed) are fine for measuring speed: every projection has
 the real model's shape and every step reads the real number of bytes. They are not fine for
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -253,8 +254,8 @@ def main() -> None:
     parser.add_argument(
         "--llama-quantize",
         type=Path,
-        default=Path("/work/peers/llama.cpp-build/bin/llama-quantize"),
-        help="llama.cpp's llama-quantize, for K-quant types",
+        default=Path(shutil.which("llama-quantize") or "llama-quantize"),
+        help="llama.cpp's llama-quantize, for K-quant types (default: the one on PATH)",
     )
     parser.add_argument("--threads", type=int, default=2, help="llama-quantize threads")
     args = parser.parse_args()

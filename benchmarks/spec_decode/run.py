@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/spec_decode/run.py [--concurrency 1 4 16]
         [--workloads grounded code chat] [--methods ngram suffix]
-        [--speculative-config JSON] [--vllm-venv /work/peers/vllm-venv]
+        [--speculative-config JSON] [--vllm-venv $VLLM_VENV]
 
 Workloads (workloads.py, written to OUT/workloads/): input-grounded answers, code edits and
 open-ended chat, as chat messages, greedy, 256 tokens each with EOS ignored. pagedllm serves the
