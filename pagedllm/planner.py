@@ -59,7 +59,8 @@ def config_from_numbers(
     max_position_embeddings: int = 4096,
     tie_word_embeddings: bool = False,
 ) -> ModelConfig:
-    """A Llama-shaped config from its sizes, e.g. the classic 7B: 32, 4096, 32, 11008, 32000."""
+    """A Llama-shaped config from its sizes, e.g. the classic 7B: 32, 4096, 32, 11008, 32000;
+    checked as a file's config is, the errors naming the flags."""
     return ModelConfig.from_dict(
         {
             "architectures": ["LlamaForCausalLM"],
@@ -67,13 +68,27 @@ def config_from_numbers(
             "hidden_size": hidden_size,
             "num_attention_heads": num_heads,
             "num_key_value_heads": num_kv_heads or num_heads,
-            "head_dim": head_dim or hidden_size // num_heads,
+            "head_dim": head_dim,  # None: hidden / heads, once checked that they divide
             "intermediate_size": intermediate_size,
             "vocab_size": vocab_size,
             "max_position_embeddings": max_position_embeddings,
             "tie_word_embeddings": tie_word_embeddings,
-        }
+        },
+        source="the model given by numbers",
+        names=_NUMBER_FLAGS,
     )
+
+
+_NUMBER_FLAGS = {
+    "num_hidden_layers": "--layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-heads",
+    "num_key_value_heads": "--num-kv-heads",
+    "head_dim": "--head-dim",
+    "intermediate_size": "--intermediate-size",
+    "vocab_size": "--vocab-size",
+    "max_position_embeddings": "--max-position-embeddings",
+}
 
 
 _RESIDENT_BITS = {  # a GGUF block format -> bits per weight as the integer kernel holds it

@@ -31,6 +31,7 @@ from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.errors import loading, loading_tokenizer
 from pagedllm.model.gguf_convert import gguf_source
 from pagedllm.model.loader import model_display_name, resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.outputs import RequestOutput
@@ -52,10 +53,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
         self.model_name = model_display_name(config.model)
-        folder = resolve_model_folder(
-            config.model, revision=config.revision, download_dir=config.download_dir
-        )
-        self.model_config = ModelConfig.from_folder(folder)
+        with loading(config.model or self.model_name):  # a damaged file: ModelLoadError, one line
+            folder = resolve_model_folder(
+                config.model, revision=config.revision, download_dir=config.download_dir
+            )
+            self.model_config = ModelConfig.from_folder(folder)
         self.tokenizer_folder = (
             resolve_tokenizer_folder(
                 config.tokenizer, revision=config.tokenizer_revision, download_dir=config.download_dir
@@ -65,7 +67,8 @@ class LLMEngine:
         )
         max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         self.config = config.replace(max_model_len=max_model_len)
-        self.tokenizer = self.load_tokenizer()
+        with loading_tokenizer(self.tokenizer_folder):
+            self.tokenizer = self.load_tokenizer()
 
         self.executor: Executor = make_executor(self.config, folder, self.model_config)
         self.executor.start(max_model_len)

@@ -1,7 +1,10 @@
 """ModelConfig: the shape of a Llama-family or Gemma 3 model, read from a Hugging Face config.json.
 
 Names are Hugging Face's, so a config and its weights map one to one. GGUF metadata is
-translated into this same form (see gguf_convert.py), so there is one reader.
+translated into this same form (see gguf_metadata.py), so there is one reader. A config comes
+from a file pagedllm did not write: from_dict checks every field before it sizes anything
+(config_checks.py), from_folder the config against the tensors the folder holds (tensor_checks.py),
+and what is wrong is one ModelLoadError line naming the file and the field.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pagedllm.model.config_checks import check_config_fields, check_model_config, show
+from pagedllm.model.errors import ModelLoadError, loading
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -56,12 +62,51 @@ class ModelConfig:
 
     @classmethod
     def from_dict(
-        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
+        cls,
+        config: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        source: str = "config",
+        names: dict[str, str] | None = None,
+    ) -> ModelConfig:
+        """The config of a model (config.json's fields), every field checked before it is used
+        (model/config_checks.py): ModelLoadError naming `source` and the field otherwise. `names`:
+        the fields' names in the file, where it is not a config.json (a GGUF's keys)."""
+        try:
+            with loading(source):
+                return cls._checked(config, generation_config, source, names)
+        except ModelLoadError:
+            raise
+        except ValueError as error:  # e.g. an architecture or setting pagedllm does not run
+            raise ModelLoadError(f"{source}: {error}") from None
+
+    @classmethod
+    def _checked(
+        cls,
+        config: dict[str, Any],
+        generation_config: dict[str, Any] | None,
+        source: str,
+        names: dict[str, str] | None,
+    ) -> ModelConfig:
+        """from_dict's work: the checks around the making."""
+        check_config_fields(config, source, names, partial=True)
+        architectures = config.get("architectures") or []
+        if not isinstance(architectures, list):
+            raise ModelLoadError(f"{source}: architectures {show(architectures)} is not a list of names")
+        if any(a in LANGUAGE_MODEL_OF for a in architectures):
+            check_config_fields(config.get("text_config") or {}, f"{source} text_config", partial=True)
+            config = _language_model_config(config)
+        check_config_fields(config, source, names)
+        if generation_config is not None and not isinstance(generation_config, dict):
+            raise ModelLoadError(f"{source}: generation_config is not a JSON object")
+        model_config = cls._from_checked_dict(config, generation_config)
+        check_model_config(model_config, source)
+        return model_config
+
+    @classmethod
+    def _from_checked_dict(
+        cls, config: dict[str, Any], generation_config: dict[str, Any] | None
     ) -> ModelConfig:
         architectures = config.get("architectures") or []
-        if any(a in LANGUAGE_MODEL_OF for a in architectures):
-            config = _language_model_config(config)
-            architectures = config["architectures"]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -99,11 +144,21 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
+        """An HF folder's config, checked against the tensors its safetensors hold; a converted
+        GGUF's (whose tensors were checked as it was converted), its errors naming the GGUF."""
+        from pagedllm.model.gguf_convert import gguf_source
+        from pagedllm.model.tensor_checks import check_checkpoint_tensors
+
         folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
+        gguf_path = gguf_source(folder)
+        config = read_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
-        return cls.from_dict(config, generation)
+        generation = read_json(gen_path) if gen_path.exists() else None
+        source = str(gguf_path or folder / "config.json")
+        model_config = cls.from_dict(config, generation, source)
+        if gguf_path is None:
+            check_checkpoint_tensors(folder, model_config)
+        return model_config
 
     @property
     def q_size(self) -> int:
@@ -168,6 +223,14 @@ class ModelConfig:
                 f"max_model_len: {requested:,} is over the model's context of {model_max:,} tokens"
             )
         return requested or model_max
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a model folder; ModelLoadError naming it where it is not JSON."""
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelLoadError(f"{path}: not valid JSON ({type(error).__name__}: {error})") from None
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:

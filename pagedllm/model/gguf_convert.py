@@ -15,22 +15,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 from pagedllm.cache_dir import cache_root
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_checks import show
+from pagedllm.model.errors import ModelLoadError, loading, one_line
 from pagedllm.model.gguf_file import GGUFContents, read_gguf
+from pagedllm.model.gguf_metadata import ARCHITECTURES, MetadataReader, hf_config
+from pagedllm.model.tensor_checks import check_tensors_against_config
 
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
+"""Part of a conversion's cache key: a new version converts (and checks) every file again."""
 GGUF_SOURCE = "gguf_source.txt"
 """In a converted folder: the path of the GGUF whose weights it stands for."""
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -88,15 +87,21 @@ def gguf_hf_config(gguf_path: str | Path) -> dict[str, Any]:
     cached = _cache_folder(Path(gguf_path).resolve()) / "config.json"
     if cached.exists():
         return json.loads(cached.read_text())
-    return _config_of(read_gguf(Path(gguf_path)))
+    return _config_of(read_gguf(Path(gguf_path)), Path(gguf_path))
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """config.json, the tokenizer files and GGUF_SOURCE into `out_dir`; no weights."""
-    config = _config_of(read_gguf(gguf_path))
+    """config.json, the tokenizer files and GGUF_SOURCE into `out_dir`; no weights. The file's
+    metadata and tensor directory are checked first (ModelLoadError naming what is wrong)."""
+    config = _config_of(read_gguf(gguf_path), gguf_path)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / GGUF_SOURCE).write_text(str(gguf_path))
-    _save_tokenizer(gguf_path, out_dir, config["model_type"])
+    try:
+        _save_tokenizer(gguf_path, out_dir, config["model_type"])
+    except Exception as error:  # transformers' converter, on metadata it trusts: any error is the file's
+        raise ModelLoadError(
+            f"{gguf_path}: its tokenizer could not be converted ({type(error).__name__}: {one_line(error)})"
+        ) from error
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -105,88 +110,52 @@ def gguf_source(folder: Path) -> Path | None:
     return Path(source.read_text()) if source.exists() else None
 
 
-def _config_of(contents: GGUFContents) -> dict[str, Any]:
+def _config_of(contents: GGUFContents, path: Path) -> dict[str, Any]:
+    """The config.json of a GGUF's metadata, checked as a config.json is (model/config_checks.py)
+    and against the tensors the file holds: ModelLoadError naming the file and the key."""
     arch = contents.metadata.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; pagedllm reads {sorted(_ARCHITECTURES)}"
+    if arch is None:
+        raise ModelLoadError(f"{path}: metadata 'general.architecture' is missing; a model's GGUF states it")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: general.architecture {show(arch)} is not supported; "
+            f"pagedllm reads {sorted(ARCHITECTURES)}"
         )
-    config = _hf_config(contents, arch)
-    config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in contents.tensors)
-    return config
-
-
-def _hf_config(contents: GGUFContents, arch: str) -> dict[str, Any]:
-    md, p = contents.metadata, f"{arch}."
-    num_heads = int(md[p + "attention.head_count"])
-    hidden = int(md[p + "embedding_length"])
-    # Qwen3 states head_dim (key_length), which need not be hidden / heads
-    head_dim = int(
-        md.get(p + "attention.key_length") or md.get(p + "rope.dimension_count") or hidden // num_heads
-    )
-    vocab = md.get(p + "vocab_size") or contents.array_lengths["tokenizer.ggml.tokens"]
-    config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(md[p + "feed_forward_length"]),
-        "num_hidden_layers": int(md[p + "block_count"]),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(md.get(p + "attention.head_count_kv") or num_heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(md.get(p + "rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(md.get(p + "context_length", 2048)),
-        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
-        "attention_bias": arch == "qwen2",
-    }
-    scaling_type = md.get(p + "rope.scaling.type")
-    if scaling_type == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(md[p + "rope.scaling.factor"])}
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
-    if arch == "gemma3":
-        config |= _gemma3_config(md, config)
-    for tensor in contents.tensors:
-        if tensor.name == "rope_freqs.weight":  # Llama 3.1+: per-frequency divisors
-            config["rope_freq_factors"] = [float(x) for x in gguf.dequantize(tensor.data, tensor.tensor_type)]
-    return config
-
-
-def _gemma3_config(md: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """What Gemma 3's file leaves to llama.cpp's code: one global layer in 6 (unless the file lists
-    the sliding layers), a local rope base of 10,000, scores scaled by head_dim ** -0.5 except on
-    the 27B (62 layers: hidden / heads)."""
-    p = "gemma3."
-    pattern = md.get(p + "attention.sliding_window_pattern", 6)
-    layers = config["num_hidden_layers"]
-    if isinstance(pattern, list):  # per layer: True where it slides
-        layer_types = ["sliding_attention" if slides else "full_attention" for slides in pattern]
-    else:
-        layer_types = [
-            "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(layers)
+    with loading(path):
+        metadata = MetadataReader(contents, path)
+        config = hf_config(metadata, arch)
+        config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in contents.tensors)
+        model_config = ModelConfig.from_dict(config, source=str(path), names=metadata.field_names(arch))
+        listed = [
+            (
+                hf_tensor_name(tensor.name, model_config.architecture, path),
+                tuple(reversed(tensor.shape)),
+                tensor.name,
+            )
+            for tensor in contents.tensors
+            if tensor.name != "rope_freqs.weight"
         ]
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    return {
-        "sliding_window": int(md[p + "attention.sliding_window"]),
-        "layer_types": layer_types,
-        "rope_local_base_freq": float(md.get(p + "rope.freq_base_swa", 10000.0)),
-        "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"],
-        "hidden_activation": "gelu_pytorch_tanh",
-    }
+        check_tensors_against_config(listed, model_config, str(path))
+    return config
 
 
-def hf_tensor_name(gguf_name: str, architecture: str) -> str:
-    """A GGUF tensor's Hugging Face name in a model of `architecture` (config.json's)."""
+def hf_tensor_name(gguf_name: str, architecture: str, path: Path | None = None) -> str:
+    """A GGUF tensor's Hugging Face name in a model of `architecture` (config.json's);
+    ModelLoadError (naming `path`) for a tensor no such model has."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     layer_tensors = _GEMMA3_LAYER_TENSORS if architecture == "Gemma3ForCausalLM" else _LAYER_TENSORS
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[2] in layer_tensors:
-        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isascii()
+        and parts[1].isdigit()
+        and parts[2] in layer_tensors
+        and parts[3] in ("weight", "bias")
+    ):
+        return f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}.{parts[3]}"
+    raise ModelLoadError(f"{path or 'GGUF'}: tensor {gguf_name!r} is not one a {architecture} has")
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -39,7 +39,7 @@ def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[st
     for tensor in read_tensor_directory(gguf_path):
         if tensor.name == "rope_freqs.weight":
             continue  # folded into config.json (rope_freq_factors)
-        name = hf_tensor_name(tensor.name, config.architecture)
+        name = hf_tensor_name(tensor.name, config.architecture, gguf_path)
         weight = read_tensor(tensor)
         if (
             config.architecture == "Gemma3ForCausalLM"

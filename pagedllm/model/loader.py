@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from pagedllm.cpu_features import has_fast_bf16
@@ -24,8 +24,13 @@ from pagedllm.layers.lm_head import ParallelLMHead
 from pagedllm.layers.quantization import BlockQuantized, quantize
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model.checkpoint_quant import METHODS as CHECKPOINT_METHODS
-from pagedllm.model.checkpoint_quant import iter_checkpoint_weights, read_checkpoint_quantization
+from pagedllm.model.checkpoint_quant import (
+    CheckpointQuantization,
+    iter_checkpoint_weights,
+    read_checkpoint_quantization,
+)
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.errors import ModelLoadError, loading, one_line
 from pagedllm.model.gemma3 import Gemma3ForCausalLM
 from pagedllm.model.gguf_convert import converted_folder, gguf_source
 from pagedllm.model.hub import hub_model_path, is_hub_model
@@ -125,7 +130,7 @@ def load_model(
     """The model with its weights; with `tp`, this rank's share of them only. `quantization`:
     --quantization (None: the checkpoint's own, quantized blocks kept for a GGUF)."""
     source = gguf_source(folder)
-    checkpoint = None if source is not None else read_checkpoint_quantization(folder)
+    checkpoint = None if source is not None else checkpoint_quantization(folder)
     check_quantization(
         quantization, is_gguf=source is not None, checkpoint_method=checkpoint.method if checkpoint else None
     )
@@ -151,6 +156,24 @@ def load_model(
         device,
         f", --quantization {quantization}" if quantization else "",
     )
+    try:
+        with loading(source or folder):
+            return _build_model(config, dtype, device, max_position, tp, weights, quantization)
+    except ModelLoadError:
+        raise
+    except (ValueError, SafetensorError) as error:  # a tensor the file lacks, or of the wrong shape
+        raise ModelLoadError(f"{source or folder}: {one_line(error)}") from error
+
+
+def _build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    tp: TPGroup | None,
+    weights: Iterable[tuple[str, Loaded]],
+    quantization: str | None,
+) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, max_position, tp).to(dtype)
     # to_empty(device) but with torch.empty: empty_like of a meta tensor first imports torch's
@@ -163,6 +186,19 @@ def load_model(
     load_weights(model, weights)
     apply_quantization(model, quantization, dtype)
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_quantization(folder: Path) -> CheckpointQuantization | None:
+    """The folder's quantization_config (None: a float checkpoint); ModelLoadError naming its
+    config.json where the section is damaged or of a method pagedllm does not read."""
+    where = folder / "config.json"
+    try:
+        with loading(where):
+            return read_checkpoint_quantization(folder)
+    except ModelLoadError:
+        raise
+    except ValueError as error:
+        raise ModelLoadError(f"{where}: {one_line(error)}") from error
 
 
 def check_quantization(

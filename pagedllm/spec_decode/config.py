@@ -87,6 +87,8 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(f"speculative_config: not valid JSON ({error})") from None
+            except RecursionError:  # json's parser recurses once per level
+                raise ValueError("speculative_config: nested too deep; it is one flat JSON object") from None
         if not isinstance(value, dict):
             raise ValueError("speculative_config: must be a JSON object")
         known = {f.name for f in fields(cls)}
@@ -95,6 +97,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: unknown key(s) {', '.join(unknown)}; pagedllm reads "
                 f"{', '.join(sorted(known))} (no draft model: methods ngram and suffix)"
+            )
+        nested = sorted(key for key, item in value.items() if isinstance(item, dict | list))
+        if nested:
+            raise ValueError(
+                f"speculative_config.{nested[0]}: must be a number, string or null, not a nested value"
             )
         if "method" not in value:
             raise ValueError(f"speculative_config.method: required, one of {', '.join(METHODS)}")

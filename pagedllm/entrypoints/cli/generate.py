@@ -12,7 +12,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -77,10 +77,15 @@ def console_engine(args: argparse.Namespace) -> LLMEngine:
         config = engine_config_from_args(args, disable_log_stats=True, **overrides)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    return LLMEngine(config)
+    try:
+        return LLMEngine(config)
+    except (ValueError, OSError, NotImplementedError) as error:  # a damaged model file among them
+        if args.verbose:
+            raise  # the traceback, for a bug report
+        raise SystemExit(f"error: {error}") from None
 
 
-def reply_text(engine: LLMEngine, prompt, params: SamplingParams) -> Iterator[str]:
+def reply_text(engine: LLMEngine, prompt, params: SamplingParams) -> Generator[str, None, None]:
     """One request's text, piece by piece as it grows. Closing the generator early (Ctrl-C, a
     closed pipe) aborts the request, so its KV blocks go back to the pool at once."""
     req_id = engine.add_request(None, prompt, params)

@@ -7,8 +7,13 @@ import json
 from typing import get_args
 
 from pagedllm.config import DType, KVCacheDType, Quantization, parse_memory_size
-from pagedllm.model.checkpoint_quant import read_checkpoint_quantization
-from pagedllm.model.loader import check_quantization, locate_model, model_display_name
+from pagedllm.model.errors import ModelLoadError
+from pagedllm.model.loader import (
+    check_quantization,
+    checkpoint_quantization,
+    locate_model,
+    model_display_name,
+)
 from pagedllm.planner import (
     WHAT_IF_KV_CACHE_DTYPES,
     CapacityPlan,
@@ -84,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     try:
         plan = build_plan(args)
+    except ModelLoadError as error:  # a damaged or absurd model: what serve would answer
+        args.parser.exit(1, f"error: {error}\n")
     except (ValueError, FileNotFoundError) as error:
         args.parser.exit(2, f"pagedllm plan: error: {error}\n")
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
@@ -96,7 +103,7 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
         name = model_display_name(args.model)
         path = locate_model(args.model, revision=args.revision, download_dir=args.download_dir, weights=False)
         gguf_path = path if path.suffix == ".gguf" else None
-        checkpoint = read_checkpoint_quantization(path) if gguf_path is None else None
+        checkpoint = checkpoint_quantization(path) if gguf_path is None else None
         own_method = checkpoint.method if checkpoint else None
         check_quantization(args.quantization, is_gguf=gguf_path is not None, checkpoint_method=own_method)
     elif args.model is not None:

@@ -191,7 +191,7 @@ def run_server(args: argparse.Namespace) -> None:
         )
     try:
         engine = AsyncLLM.launch(lambda: LLMEngine(config), max_queue_len=server_config.max_queue_len)
-    except (ValueError, FileNotFoundError, NotImplementedError) as error:
+    except (ValueError, OSError, NotImplementedError) as error:  # ModelLoadError: a damaged file
         raise SystemExit(f"error: {error}") from None
     except KeyboardInterrupt:
         _exit_now("Interrupted while loading the model; exiting", 130)
