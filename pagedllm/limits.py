@@ -30,8 +30,13 @@ MAX_GRAMMAR_SPEC_CHARS = 64 * 1024
 """A JSON schema, regex, EBNF grammar or choice list (as text): compiling one is work off the
 engine thread, but work nonetheless."""
 MAX_GRAMMAR_DEPTH = 64
-"""Deepest nesting of objects and lists in a JSON schema, whether sent as an object or as text:
-a compile's cost grows steeply with depth (450 levels: tens of seconds)."""
+"""Deepest nesting of objects and lists in a JSON schema, whether sent as an object or as text,
+counted through each `$ref` as the definition it points to: a compile's cost grows steeply with
+depth (450 levels: tens of seconds, whether nested in the text or chained through $defs)."""
+MAX_GRAMMAR_EXPANDED_NODES = 100_000
+"""Most objects and lists in a JSON schema once each `$ref` is written out as its definition: a
+64 KB text holds ~20,000 at most; a diamond of references (each definition referring twice to
+the next) doubles with every level and is refused here, measured without being written out."""
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 """A grammar that takes longer to compile is refused, and its compile process killed."""
 GRAMMAR_COMPILE_WORKERS = 2
@@ -92,3 +97,15 @@ def check_text(name: str, value: str | None, max_chars: int | None = None) -> No
 def check_finite(name: str, value: float) -> None:
     if not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name}: must be a finite number, got {value!r}")
+
+
+# ---- chat templates (pagedllm/chat_template.py): a template is untrusted input ----
+CHAT_TEMPLATE_TIME_BUDGET_S = 5.0
+"""Seconds a chat template may take to render, offline and served (--chat-template-time-budget)."""
+MAX_CHAT_TEMPLATE_CHARS = 16 * 1024**2
+"""The most characters a chat template may build, whatever max_model_len: the bound where the
+model's is not known, and a ceiling on it where it is (16 Mi characters: over 2 million tokens)."""
+CHARS_PER_TOKEN_FALLBACK = 64
+"""The characters a token is taken to hold, to bound a rendered prompt by max_model_len, where the
+tokenizer's normalizer leaves no exact bound (tokenizer.max_token_chars is None): 16 times what
+real text averages."""

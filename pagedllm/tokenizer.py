@@ -13,7 +13,7 @@ from typing import Any
 import transformers
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm import chat_template
+from pagedllm import chat_template, limits
 
 # Files transformers builds a tokenizer from: a serialized fast tokenizer, a SentencePiece model
 # (converted to a fast one through the sentencepiece package), or a BPE vocabulary with its config.
@@ -61,10 +61,13 @@ def render_chat(
     *,
     template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
-    time_budget: float | None = None,
+    time_budget: float | None = limits.CHAT_TEMPLATE_TIME_BUDGET_S,
+    max_chars: int | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation as text, through `template` or else the tokenizer's chat template."""
+    """The conversation as text, through `template` or else the tokenizer's chat template, within
+    `time_budget` seconds and `max_chars` characters (see chat_template.render; max_prompt_chars
+    gives a model's bound)."""
     template = template if template is not None else tokenizer.chat_template
     if not template:
         raise ValueError("messages: this model's tokenizer has no chat template; pass --chat-template")
@@ -75,6 +78,7 @@ def render_chat(
         special_tokens=tokenizer.special_tokens_map,
         template_kwargs=template_kwargs,
         time_budget=time_budget,
+        max_chars=max_chars,
         tools=tools,
     )
 
@@ -87,7 +91,13 @@ def chat_prompt(
 ) -> dict[str, Any]:
     """{"prompt": text, "prompt_token_ids": ids} for a conversation. The rendered text already
     holds the special tokens, so it is tokenized without adding more."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, **render_kwargs)
+    return tokenize_rendered(
+        tokenizer, render_chat(tokenizer, messages, add_generation_prompt, **render_kwargs)
+    )
+
+
+def tokenize_rendered(tokenizer: PreTrainedTokenizerBase, text: str) -> dict[str, Any]:
+    """chat_prompt's answer for a conversation rendered to `text`."""
     if not text:
         raise ValueError("messages: the chat template rendered an empty prompt")
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
@@ -141,3 +151,12 @@ def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int | None:
     if backend is None or backend.normalizer is not None:
         return None
     return max(map(len, tokenizer.get_vocab()))
+
+
+def max_prompt_chars(max_model_len: int, max_chars_per_token: int | None) -> int:
+    """The most characters a chat template may render for a model (its output bound): a prompt of
+    max_model_len tokens holds no more, so a longer one is refused before it is tokenized.
+    max_chars_per_token: max_token_chars's answer (None: limits.CHARS_PER_TOKEN_FALLBACK); the
+    bound is at most limits.MAX_CHAT_TEMPLATE_CHARS."""
+    per_token = limits.CHARS_PER_TOKEN_FALLBACK if max_chars_per_token is None else max_chars_per_token
+    return min(max_model_len * per_token, limits.MAX_CHAT_TEMPLATE_CHARS)

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -16,7 +16,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import chat_prompt
+from pagedllm.tokenizer import chat_prompt, max_prompt_chars, max_token_chars
 
 Conversation = list[dict[str, Any]]
 
@@ -39,6 +39,7 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
         self._is_shut_down = False
+        self._max_prompt_chars: int | None = None
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, free the process group, and write the disk tier
@@ -70,13 +71,12 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = self._params_per_prompt(prompts, sampling_params)
-        return self._run(prompts, params, use_tqdm)
+        is_one = isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        batch = cast(list[PromptType], [prompts] if is_one else list(cast(Sequence[PromptType], prompts)))
+        params = self._params_per_prompt(batch, sampling_params)
+        return self._run(batch, params, use_tqdm)
 
     def chat(
         self,
@@ -86,11 +86,24 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Apply the model's chat template to each conversation, then generate. The template is
+        untrusted input (it comes with the model): it renders within the server's default time
+        budget and the characters a prompt of max_model_len can hold, else ValueError."""
+        is_one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(list[Conversation], [messages] if is_one else list(messages))
         tokenizer = self.get_tokenizer()
+        if self._max_prompt_chars is None:
+            self._max_prompt_chars = max_prompt_chars(
+                self.llm_engine.max_model_len, max_token_chars(tokenizer)
+            )
         prompts: list[PromptType] = [
-            chat_prompt(tokenizer, conversation, add_generation_prompt, template_kwargs=chat_template_kwargs)
+            chat_prompt(
+                tokenizer,
+                conversation,
+                add_generation_prompt,
+                template_kwargs=chat_template_kwargs,
+                max_chars=self._max_prompt_chars,
+            )
             for conversation in conversations
         ]
         return self._run(prompts, self._params_per_prompt(prompts, sampling_params), use_tqdm)

@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,7 +23,7 @@ import httpx
 from pagedllm.config import add_engine_args
 from pagedllm.entrypoints.cli.generate import add_console_args, console_engine, reply_text, sampling_params
 
-Reply = Callable[[list[dict]], Iterator[str]]
+Reply = Callable[[list[dict]], Generator[str, None, None]]
 """The conversation so far -> the assistant's next message in pieces; closing the iterator early
 stops the reply."""
 
@@ -120,12 +120,16 @@ def _stream_reply(reply: Reply, messages: list[dict], out: TextIO, err: TextIO) 
 
 
 def local_reply(args: argparse.Namespace) -> Reply:
-    """Replies from an engine loaded here."""
-    from pagedllm.tokenizer import chat_prompt
+    """Replies from an engine loaded here. The model's chat template renders within the server's
+    default time budget and the characters a prompt of max_model_len can hold."""
+    from pagedllm.tokenizer import chat_prompt, max_prompt_chars, max_token_chars
 
     engine = console_engine(args)
     params = sampling_params(args)
-    return lambda messages: reply_text(engine, chat_prompt(engine.tokenizer, messages), params)
+    max_chars = max_prompt_chars(engine.max_model_len, max_token_chars(engine.tokenizer))
+    return lambda messages: reply_text(
+        engine, chat_prompt(engine.tokenizer, messages, max_chars=max_chars), params
+    )
 
 
 def remote_reply(args: argparse.Namespace) -> Reply:
@@ -136,7 +140,7 @@ def remote_reply(args: argparse.Namespace) -> Reply:
     model = getattr(args, "model", None) or _first_model(client)
     body = _request_body(args) | {"model": model, "stream": True}
 
-    def reply(messages: list[dict]) -> Iterator[str]:
+    def reply(messages: list[dict]) -> Generator[str, None, None]:
         try:
             with client.stream("POST", "/chat/completions", json=body | {"messages": messages}) as response:
                 if response.is_error:

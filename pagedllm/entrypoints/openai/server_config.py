@@ -85,9 +85,11 @@ class ServerConfig:
         ),
     )
     chat_template_time_budget: float = field(
-        default=5.0,
+        default=limits.CHAT_TEMPLATE_TIME_BUDGET_S,
         metadata=_flag(
-            "Seconds a chat template may take to render; past it the request gets a 400. (default: 5)"
+            "Seconds a chat template may take to render; past it the request gets a 400 (the "
+            "offline LLM.chat and `pagedllm chat` use the default). "
+            f"(default: {limits.CHAT_TEMPLATE_TIME_BUDGET_S:g})"
         ),
     )
     enable_auto_tool_choice: bool = field(

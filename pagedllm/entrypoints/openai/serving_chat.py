@@ -258,7 +258,8 @@ class ServingChat:
         """The conversation rendered and tokenized, on the tokenizer's thread. A template sent by
         the client (chat_template, or chat_template_kwargs.chat_template) is code: it runs only
         with --trust-request-chat-template. `tools` go to a template that uses them, else into
-        the conversation as text (tools.conversation_for_template)."""
+        the conversation as text (tools.conversation_for_template). The template renders within
+        the server's time budget and the characters a prompt of max_model_len can hold."""
         template_kwargs = dict(template_kwargs or {})
         if "chat_template" in template_kwargs:
             template = template_kwargs.pop("chat_template")
@@ -283,6 +284,7 @@ class ServingChat:
             template=template,
             template_kwargs=template_kwargs,
             tools=template_tools,
+            max_model_len=self.models.max_model_len,
         )
 
 
