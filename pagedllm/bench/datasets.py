@@ -120,7 +120,7 @@ def load_dataset(
     if name == "jsonl":
         workload = load_workload(args.dataset_path, args.num_prompts)
         if args.ignore_eos and workload and isinstance(workload[0], BenchRequest):
-            return [dataclasses.replace(r, ignore_eos=True) for r in workload]  # type: ignore[type-var]
+            return [dataclasses.replace(r, ignore_eos=True) for r in workload]
         return workload
     assert tokenizer is not None, "random and sharegpt sets need a tokenizer"
     num_prompts = args.num_prompts or DEFAULT_NUM_PROMPTS
@@ -226,7 +226,7 @@ def _fit(
     """Text of about `target_len` tokens, and its ids. Decoded ids need not re-encode to themselves
     (two tokens may merge into one), so the ids are re-encoded, then cut or topped up, a few times."""
     for attempt in range(_FIT_TRIES):
-        text = tokenizer.decode(ids)
+        text = str(tokenizer.decode(ids))  # flat ids: one str
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) == target_len or attempt == _FIT_TRIES - 1:
             break

@@ -188,7 +188,7 @@ def _senders(items: Items, model: str) -> Iterator[Send]:
     for item in items:
         if isinstance(item, Conversation):
 
-            async def send(
+            async def send_turns(
                 client: httpx.AsyncClient, origin: float, done: Done, c: Conversation = item
             ) -> None:
                 messages = [{"role": "system", "content": c.system}] if c.system else []
@@ -203,6 +203,7 @@ def _senders(items: Items, model: str) -> Iterator[Send]:
                         break
                     messages.append({"role": "assistant", "content": answer})
 
+            yield send_turns
         else:
             body = {
                 "model": model,
@@ -211,12 +212,12 @@ def _senders(items: Items, model: str) -> Iterator[Send]:
                 "ignore_eos": item.ignore_eos,
             }
 
-            async def send(
+            async def send_prompt(
                 client: httpx.AsyncClient, origin: float, done: Done, b: dict = body, r: BenchRequest = item
             ) -> None:
                 done((await _stream(client, "/v1/completions", b, origin, r.prompt_len))[0])
 
-        yield send
+            yield send_prompt
 
 
 async def run_server_benchmark(

@@ -19,7 +19,9 @@ any time in a second, which a closed loop of N clients takes past N).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -146,7 +148,11 @@ class ServeResult:
         }
         for metric in metrics:
             values = np.array(self.values(metric)) * 1e3
-            stats = {"mean": np.mean, "median": np.median, "std": np.std}
+            stats: dict[str, Callable[[np.ndarray], Any]] = {
+                "mean": np.mean,
+                "median": np.median,
+                "std": np.std,
+            }
             for name, stat in stats.items():
                 summary[f"{name}_{metric}_ms"] = float(stat(values)) if values.size else None
             for q in percentiles:

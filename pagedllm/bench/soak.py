@@ -45,6 +45,26 @@ _TOOLS = (
 )
 # 450 nested objects as a schema string: once kept the grammar compiler busy for 25-45 s
 _NESTED_SCHEMA = '{"type": "object", "properties": {"a": ' * 450 + '{"type": "string"}' + "}}" * 450
+# the same depth, flat: 450 $defs each referring to the next (held a compile worker 10 s)
+_REF_CHAIN_SCHEMA = {
+    "$defs": {
+        **{
+            f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+            for i in range(449)
+        },
+        "d449": {"type": "string"},
+    },
+    "$ref": "#/$defs/d0",
+}
+# templates that allocate gigabytes in one call (run only where the server trusts client
+# templates, --trust-request-chat-template; elsewhere refused before rendering, also a 400)
+_TEMPLATE_BOMBS = (
+    "{{ '%2000000000s'|format('x') }}",
+    "{{ 'x'|center(5000000000) }}",
+    "{{ lipsum(n=100000000) }}",
+)
+_REF_CHAIN_JSON = json.dumps(_REF_CHAIN_SCHEMA)
+_TEMPLATE_BOMB_JSON = [json.dumps(bomb) for bomb in _TEMPLATE_BOMBS]
 BAD_REQUESTS: list[tuple[str, str | bytes]] = [
     ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [1000000]}'),
     ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4, "seed": 18446744073709551616}'),
@@ -63,6 +83,8 @@ BAD_REQUESTS: list[tuple[str, str | bytes]] = [
     ("/v1/chat/completions", _CHAT + '"structured_outputs": {"json": ' + json.dumps(_NESTED_SCHEMA) + "}}"),
     ("/v1/chat/completions", _CHAT + '"structured_outputs": {"json": "' + "[" * 30000 + '"}}'),
     ("/v1/chat/completions", _CHAT + '"structured_outputs": {"json": {"$ref": "https://a.example/s.json"}}}'),
+    ("/v1/chat/completions", _CHAT + '"structured_outputs": {"json": ' + _REF_CHAIN_JSON + "}}"),
+    *(("/v1/chat/completions", _CHAT + '"chat_template": ' + bomb + "}") for bomb in _TEMPLATE_BOMB_JSON),
     ("/v1/chat/completions", _CHAT + '"tools": ' + _TOOLS + ', "tool_choice": '
      '{"type": "function", "function": "f"}}'),
     ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": 7}, '
@@ -140,8 +162,10 @@ async def _send(
     start = time.perf_counter()
     try:
         if kind == "bad":
-            path, body = rng.choice(BAD_REQUESTS)
-            response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
+            bad_path, bad_body = rng.choice(BAD_REQUESTS)
+            response = await client.post(
+                bad_path, content=bad_body, headers={"Content-Type": "application/json"}
+            )
             outcome.status = _bad_status(response)
         elif kind in ("structured", "tools"):
             response = await client.post("/v1/chat/completions", json=_chat_body(kind))
@@ -226,6 +250,7 @@ async def run_soak(args: argparse.Namespace, server: ServerProcess) -> Soak:
     deadline = time.perf_counter() + args.minutes * 60
     begin = time.perf_counter()
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert server.url is not None  # ServerProcess returns once the server has said where it listens
     async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=600) as client:
 
         async def worker(index: int) -> None:

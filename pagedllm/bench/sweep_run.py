@@ -49,11 +49,11 @@ def main() -> None:
         peak_usage = max(peak_usage, engine.get_stats().kv_cache_usage)
     elapsed = time.monotonic() - start
     stats = engine.get_stats()
-    ttfts = [o.metrics.time_to_first_token for o in outputs.values()]
+    ttfts = [ttft for o in outputs.values() if (ttft := o.metrics.time_to_first_token) is not None]
     tpots = [
-        o.metrics.decode_time / (len(o.outputs[0].token_ids) - 1)
+        decode_time / (len(o.outputs[0].token_ids) - 1)
         for o in outputs.values()
-        if len(o.outputs[0].token_ids) > 1
+        if len(o.outputs[0].token_ids) > 1 and (decode_time := o.metrics.decode_time) is not None
     ]
     result = {
         "output_throughput": sum(len(o.outputs[0].token_ids) for o in outputs.values()) / elapsed,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedllm.config import EngineConfig
@@ -46,7 +46,7 @@ class RayDistributedExecutor(DistributedExecutor):
         super().__init__(config, model_folder, model_config)
         self._actors: list[ray.actor.ActorHandle] = []
         self._runs: list[ray.ObjectRef] = []
-        self._placement = None
+        self._placement: PlacementGroup | None = None
         self._started_ray = False
 
     def _driver_address(self) -> str:
@@ -58,9 +58,9 @@ class RayDistributedExecutor(DistributedExecutor):
     def _launch(self, address: str, port: int) -> int:
         uses_gpu = resolve_device(self.config.device).type == "cuda"
         bundle = {"GPU": 1.0} if uses_gpu else {"CPU": 1.0}
-        self._placement = placement_group([bundle] * (self.tp_size - 1), strategy="PACK")
+        self._placement = placement = placement_group([bundle] * (self.tp_size - 1), strategy="PACK")
         try:
-            ray.get(self._placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except GetTimeoutError:
             raise RuntimeError(
                 f"the Ray cluster has no room for {self.tp_size - 1} more ranks ({bundle} each) after "
@@ -69,15 +69,15 @@ class RayDistributedExecutor(DistributedExecutor):
             ) from None
         actor_class = ray.remote(_RankActor)
         self._actors = [
-            actor_class.options(
+            actor_class.options(  # type: ignore[misc]  # ray's stubs: .remote() gives the class or a handle
                 num_cpus=0 if uses_gpu else 1,
                 num_gpus=1 if uses_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, i),
             ).remote()
             for i in range(self.tp_size - 1)
         ]
         # local ranks: rank 0 first on the engine's host, then actors in rank order on each host
-        actor_nodes = ray.get([actor.node_id.remote() for actor in self._actors])
+        actor_nodes: list[str] = ray.get([actor.node_id.remote() for actor in self._actors])
         nodes = [ray.get_runtime_context().get_node_id(), *actor_nodes]
         per_node = Counter(nodes)
         seen: Counter[str] = Counter()

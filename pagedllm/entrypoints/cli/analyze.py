@@ -37,7 +37,13 @@ def run(args: argparse.Namespace) -> None:
     workload = load_workload(args.workload)
     turns = workload_turns(tokenizer, workload)
     prompts, computed = [p for p, _ in turns], [c for _, c in turns]
-    report = analyze_prompts(prompts, args.block_size, tokenizer.decode, top=args.top, computed=computed)
+    report = analyze_prompts(
+        prompts,
+        args.block_size,
+        lambda ids: str(tokenizer.decode(list(ids))),
+        top=args.top,
+        computed=computed,
+    )
     print(f"{args.workload}:")
     if workload and isinstance(workload[0], Conversation):
         print(

@@ -69,9 +69,10 @@ async def fit_history(
         overhead = (num_full - sum(counts)) / len(messages)
     start = first - 1
     for _ in range(MAX_RENDERS):
-        start = _first_kept(messages, counts, first, room, overhead, after=start)
-        if start is None:
+        kept_from = _first_kept(messages, counts, first, room, overhead, after=start)
+        if kept_from is None:
             break
+        start = kept_from
         kept = messages[:first] + messages[start:]
         candidate = await render(kept)
         num_kept = len(candidate["prompt_token_ids"])

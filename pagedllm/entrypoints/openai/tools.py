@@ -119,7 +119,7 @@ def conversation_for_template(
     message, earlier calls as <tool_call> text, tool results as <tool_response> user turns."""
     if template_has_tools:
         return conversation
-    messages = []
+    messages: list[dict[str, Any]] = []
     for message in conversation:
         role = message.get("role")
         if role == "assistant" and message.get("tool_calls"):
