@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -42,7 +42,7 @@ serve: setup
 lint: setup
 	$(BIN)/ruff check pagedllm tests benchmarks
 	$(BIN)/ruff format --check pagedllm tests benchmarks
-	$(BIN)/mypy pagedllm/core pagedllm/engine pagedllm/worker pagedllm/sample
+	$(BIN)/mypy pagedllm
 
 format: setup
 	$(BIN)/ruff format pagedllm tests benchmarks
