@@ -2,10 +2,12 @@
 against a real server whose schema depth limit is lifted (tests/lifted_limits_server.py), so that
 the attacker's schema of issue 21 really reaches the compile processes: it gets its 400 at the
 timeout while others' grammars and tool calls compile meanwhile, and SIGTERM does not wait for it.
-(That the depth limit refuses it before compiling: test_server_structured.py.)"""
+A client (`user`) sending two runaways holds one process, not both (issue 45). (That the depth
+limit refuses them before compiling: test_server_structured.py.)"""
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
@@ -37,8 +39,10 @@ def chat(http: httpx.Client, **body) -> httpx.Response:
     return http.post("/v1/chat/completions", json=body)
 
 
-def runaway(http: httpx.Client) -> httpx.Response:
-    return chat(http, max_tokens=4, structured_outputs={"json": RUNAWAY})
+def runaway(http: httpx.Client, depth: int = 450, **body) -> httpx.Response:
+    """A schema nesting `depth` objects (two depths: two grammars, not one compile shared)."""
+    schema = RUNAWAY if depth == 450 else nested_schema_text(depth)
+    return chat(http, max_tokens=4, structured_outputs={"json": schema}, **body)
 
 
 def in_background(fn, *args) -> tuple[threading.Thread, dict]:
@@ -50,7 +54,8 @@ def in_background(fn, *args) -> tuple[threading.Thread, dict]:
             result["response"] = fn(*args)
         except httpx.HTTPError as error:  # e.g. the connection closed by a shutdown
             result["response"] = error
-        result["seconds"] = time.monotonic() - start
+        result["end"] = time.monotonic()
+        result["seconds"] = result["end"] - start
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -103,7 +108,7 @@ def test_a_runaway_compile_is_cut_at_its_timeout_while_others_compile(http):
 
 
 def test_resending_the_runaway_keeps_no_one_waiting(http):
-    threads = [in_background(runaway, http) for _ in range(2)]  # both processes held
+    threads = [in_background(runaway, http, 450 + i) for i in range(2)]  # both processes held
     time.sleep(0.5)
     start = time.monotonic()
     reply = chat(http, structured_outputs={"choice": ["yes", "no"]})
@@ -113,6 +118,32 @@ def test_resending_the_runaway_keeps_no_one_waiting(http):
     for thread, result in threads:
         thread.join(120)
         assert result["response"].status_code == 400
+
+
+def test_one_clients_runaways_leave_a_process_to_another_client(http):
+    """Without a share per client both runaways would compile at once and the victim's regex wait
+    for one to be killed and its process restarted, ending after both; with one, the second
+    runaway waits for the first, and the victim is answered before it."""
+    # both processes started (earlier tests killed theirs): what follows measures waiting, not starting
+    warm = [
+        in_background(
+            functools.partial(chat, max_tokens=2, structured_outputs={"regex": f"[a-z]{{{n}}}"}), http
+        )
+        for n in (1, 2)
+    ]
+    for thread, _ in warm:
+        thread.join(120)
+    threads = [in_background(functools.partial(runaway, user="attacker"), http, 452 + i) for i in range(2)]
+    time.sleep(0.5)  # the first holds the attacker's one process, the second waits for it
+    start = time.monotonic()
+    reply = chat(http, max_tokens=4, structured_outputs={"regex": "[a-z]+ [0-9]+"}, user="victim")
+    end = time.monotonic()
+    assert reply.status_code == 200, reply.text
+    for thread, _ in threads:
+        thread.join(120)
+    assert [result["response"].status_code for _, result in threads] == [400, 400]
+    assert end < max(result["end"] for _, result in threads)  # not queued behind the runaways
+    assert end - start < 10
 
 
 def test_sigterm_during_a_long_compile_exits_within_the_shutdown_timeout():

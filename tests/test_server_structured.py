@@ -24,6 +24,7 @@ from .helpers import (
     nested_schema_text,
     server_engine_args,
 )
+from .schema_bombs import ref_chain_schema_text, ref_diamond_schema
 
 TIME = {
     "type": "function",
@@ -111,6 +112,8 @@ def test_bad_structured_requests_are_400s(client, extra):
     ("schema", "message"),
     [
         (nested_schema_text(450), "nested deeper than 64 levels"),
+        (ref_chain_schema_text(450), r"nested deeper than 64 levels .*counting each \$ref"),  # flat text
+        (ref_diamond_schema(20), r"over 100,000 objects and lists once each \$ref"),
         ("[" * 30_000 + "]" * 30_000, "nested deeper than 64 levels"),  # json.loads: RecursionError
         (
             {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},

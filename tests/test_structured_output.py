@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -14,6 +15,8 @@ import xgrammar
 
 from pagedllm import SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
+
+from .schema_bombs import LINKED_LIST, TREE, ref_chain_schema_text, ref_diamond_schema
 
 PERSON = {
     "type": "object",
@@ -154,6 +157,10 @@ def test_schemas_within_the_limits_pass():
     StructuredOutputsParams(json=_nested_dict(64))
     StructuredOutputsParams(json='{"a": ' * 63 + '"[[[[{{{{ brackets in a string"' + "}" * 63)
     StructuredOutputsParams(json={"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a"})
+    StructuredOutputsParams(json=ref_chain_schema_text(20))  # 20 objects deep through $ref
+    StructuredOutputsParams(json=ref_diamond_schema(12))  # 2**12 objects written out
+    StructuredOutputsParams(json=LINKED_LIST)  # recursion: a rule calling itself to xgrammar
+    StructuredOutputsParams(json=TREE)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +179,10 @@ def test_schemas_within_the_limits_pass():
         ({"json": _nested_dict(65)}, "nested deeper than 64"),
         ({"json": {"$ref": "https://example.com/schema.json"}}, "points outside the schema"),
         ({"json": "{" * 70_000}, "over the limit"),  # the size first: the depth scan is linear anyway
+        ({"json": ref_chain_schema_text(450)}, r"nested deeper than 64 .*counting each \$ref"),
+        ({"json": ref_chain_schema_text(40)}, r"nested deeper than 64 .*counting each \$ref"),
+        ({"json": ref_diamond_schema(20)}, r"over 100,000 objects and lists once each \$ref"),
+        ({"json": ref_diamond_schema(6, width=10)}, "over 100,000 objects and lists"),
     ],
 )
 def test_structured_outputs_params_checks(fields, message):
@@ -188,3 +199,15 @@ def test_the_bitmask_only_touches_constrained_rows():
     apply_bitmask(logits, GrammarBitmask([("b", 0)], bitmask), {"a": 0, "b": 1, "c": 2})
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 2]
+
+
+def test_ref_bombs_are_refused_quickly_and_say_the_limit_counts_through_ref():
+    """The 42 KB chain of issue 45 nests 900 objects once written out; a 50 KB diamond would be
+    2**500: measured without writing either out, and the message no longer offers $defs as the
+    way around the depth limit."""
+    for schema in (ref_chain_schema_text(450), json.dumps(ref_diamond_schema(500))):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"once each \$ref|counting each \$ref") as error:
+            StructuredOutputsParams(json=schema)
+        assert time.monotonic() - start < 1.0
+        assert "$defs" not in str(error.value)

@@ -42,7 +42,11 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import INVALID_REQUEST, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output.compile_pool import GrammarCompilePool, PoolClosedError
+from pagedllm.structured_output.compile_pool import (
+    CompilerUnavailableError,
+    GrammarCompilePool,
+    PoolClosedError,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -288,7 +292,7 @@ class AsyncLLM:
         ]
         grammar = None
         if params.structured_outputs is not None:
-            grammar = await self._compile_grammar(params.structured_outputs)
+            grammar = await self._compile_grammar(params.structured_outputs, client=user)
         children = params.per_sequence()  # choice i*n + j: prompt i, children[j]
         requests = [
             dataclasses.replace(
@@ -350,10 +354,13 @@ class AsyncLLM:
                 f"n: {num_choices} sequences (prompts x n) can never fit --max-queue-len {self.max_queue_len}"
             )
 
-    async def _compile_grammar(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+    async def _compile_grammar(
+        self, params: StructuredOutputsParams, *, client: str | None
+    ) -> xgrammar.CompiledGrammar:
         """Compile a request's grammar in a compile process (a slow one holds up no step, no
-        tokenization and no other request's compile: GrammarCompilePool). ValueError if it is
-        invalid or too slow; EngineUnavailableError if shutdown cuts it."""
+        tokenization and no other request's compile: GrammarCompilePool; `client`, the request's
+        `user`, gets its fair share of the processes). ValueError if it is invalid or too slow;
+        EngineUnavailableError if shutdown cuts it or no compile process can be had (a 503)."""
         if self._grammar_pool is None:
             self._grammar_pool = GrammarCompilePool(
                 self._input_processor().structured_output,
@@ -361,7 +368,9 @@ class AsyncLLM:
                 timeout_s=limits.GRAMMAR_COMPILE_TIMEOUT_S,
             )
         try:
-            return await self._grammar_pool.compile(params)
+            return await self._grammar_pool.compile(params, client)
+        except CompilerUnavailableError as error:
+            raise EngineUnavailableError(str(error)) from None
         except PoolClosedError:
             raise EngineUnavailableError("the server is shutting down") from None
         except asyncio.CancelledError:

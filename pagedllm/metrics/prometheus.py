@@ -49,6 +49,11 @@ _SPANS = {  # span of a finished request -> (family, what it measures), vLLM's d
 }
 
 
+MAX_EXPORTED_DRAFT_POSITIONS = 16
+"""Draft positions with their own accepted-tokens series on /metrics (vLLM exports one per
+position up to num_speculative_tokens, which is rarely more)."""
+
+
 def caller_labels_on(flag: bool | None, api_key: str | None) -> bool:
     """--metrics-caller-label as given; left out, on only when the API needs no key (with a key,
     /stats is guarded for naming callers, and open /metrics must not name them either)."""
@@ -138,7 +143,9 @@ class PrometheusMetrics:
         self, num_positions: int
     ) -> tuple[Counter, Counter, Counter, dict[str, Counter]]:
         """vLLM's names: steps of a request that checked drafts, draft tokens, accepted ones,
-        and accepted ones by position in the draft."""
+        and accepted ones by position in the draft (the first MAX_EXPORTED_DRAFT_POSITIONS: a
+        series per position of a 1,024-token draft would bloat every scrape, and acceptance far
+        down a draft is what the totals already say)."""
         return (
             self._counter("spec_decode_num_drafts", "Steps of a request that checked draft tokens."),
             self._counter("spec_decode_num_draft_tokens", "Draft tokens checked."),
@@ -147,7 +154,7 @@ class PrometheusMetrics:
                 "spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted, by position in their draft.",
                 "position",
-                tuple(str(pos) for pos in range(num_positions)),
+                tuple(str(pos) for pos in range(min(num_positions, MAX_EXPORTED_DRAFT_POSITIONS))),
             ),
         )
 

@@ -144,6 +144,7 @@ class StructuredOutputBackend:
         import xgrammar
 
         self._get_compiler()
+        assert self._tokenizer_info is not None  # set with the compiler
         return xgrammar.CompiledGrammar.deserialize_json(compiled_json, self._tokenizer_info)
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:

@@ -5,7 +5,8 @@ grammar per request until its stdin closes.
 Messages on stdin/stdout are frames: a status byte and an 8-byte big-endian length, then that
 many bytes. In: the tokenizer info (xgrammar's JSON), then one `[kind, spec,
 disable_any_whitespace]` JSON per grammar. Out: READY once, then per grammar OK with the
-compiled grammar's JSON or INVALID with the 400 message. Anything else the process or xgrammar
+compiled grammar's JSON or INVALID with the 400 message. A PING frame (empty) is answered
+READY: the pool's check that an idle process still reads. Anything else the process or xgrammar
 prints goes to stderr (the server's log).
 """
 
@@ -18,7 +19,7 @@ import sys
 from typing import BinaryIO
 
 HEADER = struct.Struct(">cQ")
-READY, OK, INVALID, REQUEST = b"R", b"O", b"I", b"Q"
+READY, OK, INVALID, REQUEST, PING = b"R", b"O", b"I", b"Q", b"P"
 
 
 def write_frame(stream: BinaryIO, status: bytes, payload: bytes = b"") -> None:
@@ -50,6 +51,9 @@ def main() -> None:
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     write_frame(replies, READY)
     while (frame := read_frame(requests)) is not None:
+        if frame[0] == PING:
+            write_frame(replies, READY)
+            continue
         kind, spec, disable_any_whitespace = json.loads(frame[1])
         try:
             compiled = compile_grammar(compiler, (kind, spec, disable_any_whitespace), info.vocab_size)
