@@ -52,7 +52,7 @@ def test_a_template_past_its_budget_stops_there(tokenizer):
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"time budget of 0\.3 s"):
         render_chat(tokenizer, CONVERSATIONS[0], template=loops, time_budget=0.3)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 30  # stopped at its budget: unbudgeted, it runs for hours
     # the budget is per render: the next one starts afresh
     assert render_chat(tokenizer, CONVERSATIONS[0], time_budget=0.3)
 

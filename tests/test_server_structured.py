@@ -6,7 +6,6 @@ grammar or tool_choice is a 400 that leaves the server serving."""
 from __future__ import annotations
 
 import json
-import time
 
 import jsonschema
 import openai
@@ -121,11 +120,10 @@ def test_bad_structured_requests_are_400s(client, extra):
         ),
     ],
 )
-def test_schemas_too_deep_or_remote_are_fast_400s(client, schema, message):
-    start = time.monotonic()
+def test_schemas_too_deep_or_remote_are_400s_before_compiling(client, schema, message):
+    """The message is the check's, not the compile timeout's: refused before any compile."""
     with pytest.raises(openai.BadRequestError, match=message):
         chat(client, max_tokens=4, extra_body={"structured_outputs": {"json": schema}})
-    assert time.monotonic() - start < 5  # checked before compiling, not cut by the compile timeout
     reply = chat(client, response_format=json_schema_format(PERSON))
     jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
 

@@ -209,5 +209,5 @@ def test_ref_bombs_are_refused_quickly_and_say_the_limit_counts_through_ref():
         start = time.monotonic()
         with pytest.raises(ValueError, match=r"once each \$ref|counting each \$ref") as error:
             StructuredOutputsParams(json=schema)
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 30  # measured, not written out: 2**500 nodes never end
         assert "$defs" not in str(error.value)
