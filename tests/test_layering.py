@@ -5,6 +5,7 @@ so the check is an AST walk over the source, not what happens to be imported at 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
@@ -81,3 +82,20 @@ def test_no_import_runs_up_the_layers():
                 if _rank(target) > _rank(module):
                     upward.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {module} -> {target}")
     assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def _module_map() -> str:
+    """docs/architecture.md's module map: the code block under its "## Module map"."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    return text.split("## Module map", 1)[1].split("```", 2)[1]
+
+
+def test_the_module_map_names_every_package_and_only_files_that_exist():
+    module_map = _module_map()
+    packages = {path.parent.name for path in PACKAGE.rglob("__init__.py")} - {PACKAGE.name}
+    unnamed = sorted(name for name in packages if f"{name}/" not in module_map)
+    assert not unnamed, f"packages docs/architecture.md's module map leaves out: {unnamed}"
+    files = {path.name for path in PACKAGE.rglob("*")}
+    named = set(re.findall(r"\b\w+\.(?:py|cpp|h)\b", module_map)) - {"llama.cpp"}  # the project
+    stale = sorted(named - files)
+    assert not stale, f"files docs/architecture.md's module map names that are not in pagedllm/: {stale}"
