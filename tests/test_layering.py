@@ -31,8 +31,8 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
     ["structured_output", "metrics", "request"],
     ["core"],
     ["kernels", "attention", "distributed"],
-    ["layers"],
-    ["model", "sample", "spec_decode"],
+    ["layers", "quantization.linear_method"],  # how a projection holds its weight: layers/linear.py's
+    ["model", "quantization", "sample", "spec_decode"],  # the format families read files, as model/ does
     ["worker"],
     ["executor"],
     ["engine"],

@@ -1,6 +1,8 @@
 """Quantized safetensors checkpoints as vLLM serves them: AWQ, GPTQ and compressed-tensors (int
 weights: W8A8's int8, W4A16's packed int4), kept quantized in the block form the integer kernel
-packs (layers/quantization.py).
+packs (layers/quantization.py). Each method reads its quantization_config into a
+CheckpointQuantization in its own module (quantization/awq.py, gptq.py, compressed_tensors.py);
+the tensors of all three are read here.
 
 Each scheme stores, per projection, integer codes, a scale per group of inputs and a zero point:
 W = scale * (code - zero). A group of G inputs becomes G / 32 blocks sharing its scale, with
@@ -15,12 +17,10 @@ float at load instead. Tensors a scheme leaves alone (embeddings, norms, the LM 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,9 +28,6 @@ import torch
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, EncodedRows, packed_bits_per_weight
 
 logger = logging.getLogger(__name__)
-
-METHODS = ("awq", "gptq", "compressed-tensors")
-"""quantization_config's quant_method values read here: vLLM's --quantization names."""
 
 AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ's GEMM packing: nibble i of a packed word holds output column 8c + AWQ_COLUMN_OF_NIBBLE[i]."""
@@ -40,10 +37,6 @@ _IGNORED_PARTS = ("input_scale", "input_zero_point", "output_scale", "weight_sha
 """Tensors read and dropped: static activation and KV scales (the kernel quantizes activations
 as it computes, per block of 32 or per token; the KV cache has --kv-cache-dtype), and the shape
 of a packed weight (known from its scales)."""
-
-
-_CT_LAYOUTS = {"pack-quantized": "ct-packed", "int-quantized": "ct-int", "naive-quantized": "ct-int"}
-"""compressed-tensors' weight formats read here -> Scheme.layout."""
 
 
 @dataclass(frozen=True)
@@ -113,110 +106,17 @@ def _matches(target: str, module: str) -> bool:
     return module == target
 
 
-def read_checkpoint_quantization(folder: Path) -> CheckpointQuantization | None:
-    """The folder's quantization_config, or None for a float checkpoint. ValueError, saying what is
-    read, for a method or a variant that is not."""
-    config_path = folder / "config.json"
-    if not config_path.exists():
-        return None
-    config = json.loads(config_path.read_text()).get("quantization_config")
-    if not config:
-        return None
-    method = str(config.get("quant_method", "")).lower()
-    if method == "awq":
-        return _awq(config)
-    if method == "gptq":
-        return _gptq(config)
-    if method == "compressed-tensors":
-        return _compressed_tensors(config)
-    raise ValueError(
-        f"quantization_config: quant_method {method!r} is not supported; pagedllm reads {', '.join(METHODS)} "
-        "checkpoints and GGUF files, and quantizes a float checkpoint with --quantization int8|int4"
-    )
-
-
-def _group_size(value: Any, method: str) -> int:
+def group_size(value: Any, method: str) -> int:
+    """quantization_config's group_size: inputs per scale, -1 for the whole row."""
     group = -1 if value in (None, -1, 0) else value
     if not isinstance(group, int) or (group != -1 and group < 1):
         raise ValueError(f"quantization_config ({method}): group_size {value!r} is not a group size")
     return group
 
 
-def _awq(config: dict[str, Any]) -> CheckpointQuantization:
-    bits = config.get("bits", config.get("w_bit", 4))
-    version = str(config.get("version", "gemm")).lower()
-    if bits != 4 or version != "gemm" or not config.get("zero_point", True):
-        raise ValueError(
-            f"quantization_config (awq): 4 bits in the GEMM layout with zero points is read, not "
-            f"bits={bits}, version={version!r}, zero_point={config.get('zero_point')!r}"
-        )
-    group = _group_size(config.get("group_size", config.get("q_group_size", 128)), "awq")
-    scheme = Scheme("awq", 4, group, symmetric=False)
-    return CheckpointQuantization("awq", ((("Linear",), scheme),), _not_converted(config))
-
-
-def _gptq(config: dict[str, Any]) -> CheckpointQuantization:
-    bits = config.get("bits", 4)
-    checkpoint_format = str(config.get("checkpoint_format", "gptq")).lower()
-    if bits not in (4, 8) or checkpoint_format not in ("gptq", "gptq_v2"):
-        raise ValueError(
-            f"quantization_config (gptq): 4 or 8 bits in the gptq or gptq_v2 format is read, not "
-            f"bits={bits}, checkpoint_format={checkpoint_format!r}"
-        )
-    scheme = Scheme(
-        checkpoint_format,
-        bits,
-        _group_size(config.get("group_size", 128), "gptq"),
-        symmetric=bool(config.get("sym", False)),  # its zeros are stored either way
-        act_order=bool(config.get("desc_act", False)),
-    )
-    return CheckpointQuantization("gptq", ((("Linear",), scheme),), _not_converted(config))
-
-
-def _not_converted(config: dict[str, Any]) -> tuple[str, ...]:
+def not_converted(config: dict[str, Any]) -> tuple[str, ...]:
     """AutoAWQ's and GPTQModel's modules left float: any module whose name holds one (their rule)."""
     return tuple(f"re:.*{re.escape(name)}" for name in config.get("modules_to_not_convert") or ())
-
-
-def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
-    default_format = config.get("format", "int-quantized")
-    groups = []
-    for name, group in (config.get("config_groups") or {}).items():
-        weights = group.get("weights") or {}
-        fmt = group.get("format") or default_format
-        layout = _CT_LAYOUTS.get(fmt)
-        bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
-        if (
-            layout is None
-            or kind != "int"
-            or bits not in (4, 8)
-            or strategy not in ("tensor", "channel", "group")
-        ):
-            raise ValueError(
-                f"quantization_config (compressed-tensors) {name}: integer weights of 4 or 8 bits, "
-                f"pack-quantized or int-quantized, per tensor, channel or group, are read; not "
-                f"format={fmt!r}, type={kind!r}, num_bits={bits!r}, strategy={strategy!r}"
-            )
-        group_size = (
-            _group_size(weights.get("group_size"), "compressed-tensors") if strategy == "group" else -1
-        )
-        act_order = weights.get("actorder") not in (None, False, "static")
-        symmetric = bool(weights.get("symmetric", True))
-        activations = group.get("input_activations") or {}
-        per_token = (
-            activations.get("num_bits") == 8
-            and activations.get("type", "int") == "int"
-            and activations.get("strategy") == "token"
-            and bool(activations.get("dynamic"))
-            and bits == 8
-            and strategy in ("tensor", "channel")
-            and symmetric
-        )
-        scheme = Scheme(layout, bits, group_size, symmetric, act_order, per_token)
-        groups.append((tuple(group.get("targets") or ("Linear",)), scheme))
-    if not groups:
-        raise ValueError("quantization_config (compressed-tensors): no config_groups")
-    return CheckpointQuantization("compressed-tensors", tuple(groups), tuple(config.get("ignore") or ()))
 
 
 def iter_checkpoint_weights(

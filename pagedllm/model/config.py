@@ -17,17 +17,10 @@ from typing import Any
 
 from pagedllm.model.config_checks import check_config_fields, check_model_config, show
 from pagedllm.model.errors import ModelLoadError, loading
+from pagedllm.model.registry import LANGUAGE_MODEL_OF, MODELS
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-}
-LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-"""Image-and-text checkpoints served as their language model alone (text in, text out): config.json's
-text_config, the weights under language_model; the vision tower is not loaded."""
+SUPPORTED_ARCHITECTURES = {architecture: entry.model_type for architecture, entry in MODELS.items()}
+"""The architectures pagedllm runs (model/registry.py, the one table of them) -> their model_type."""
 
 
 @dataclass(frozen=True)

