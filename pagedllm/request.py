@@ -77,13 +77,9 @@ class Request:
     num_prompt_logprobs: int = 0
     """Prompt positions already scored and reported (prompt_logprobs requests)."""
     stop_reason: int | str | None = None
-    spec_token_ids: list[int] = field(default_factory=list)
-    """Draft tokens proposed for the next step (speculative decoding); checked, not yet known."""
-    recent_drafts: tuple[float, float] = (0.0, 0.0)
-    """Draft tokens accepted and checked over this request's recent checking steps, each step's
-    counts fading by the scheduler's DRAFT_FADE (speculative decoding's back-off reads them)."""
     num_draft_tokens: int = 0
-    """Draft tokens checked for this request, and of them accepted (per-response timings)."""
+    """Draft tokens checked for this request, and of them accepted (per-response timings; the
+    drafts themselves and the acceptance record are the DraftPolicy's, core/draft_policy.py)."""
     num_accepted_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of the request's full blocks, in order; grown as tokens are appended."""
@@ -92,13 +88,6 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-
-    @property
-    def draft_acceptance(self) -> float:
-        """The share of its recent draft tokens accepted; 1 before any (one more of each
-        counted: a first rejection does not stop a request's drafts at once)."""
-        accepted, checked = self.recent_drafts
-        return (accepted + 1) / (checked + 1)
 
     @property
     def num_tokens(self) -> int:

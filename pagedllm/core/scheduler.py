@@ -12,33 +12,31 @@ A step:
    is preempted (blocks freed, recomputed later) until the allocation fits.
 2. If nobody was preempted, waiting requests are admitted (arrival order, or longest
    cached prefix first with `lpm`) while seats, budget and blocks allow.
+
+Speculative decoding: a decoding request also checks the draft tokens the DraftPolicy allows
+(core/draft_policy.py decides); the scheduler fits them in the budget and the pool, and reports
+to the policy what each step checked, accepted and cost.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import math
 import time
 from collections import OrderedDict
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.draft_policy import DraftPolicy
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagedllm.core.step_cost import StepCostModel
 from pagedllm.metrics.divergence import DivergenceFinder
-from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
+from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.bitmask import DEAD_END, GrammarBitmask, fill_bitmask
-
-logger = logging.getLogger(__name__)
 
 # lpm looks this far down the waiting queue, and lets the head be passed over at most
 # this many times before it is admitted regardless (bounded wait, no starvation).
 LPM_WINDOW = 64
 LPM_MAX_SKIPS = 16
-# speculative decoding: how fast a request's record of accepted drafts forgets (per checking step)
-DRAFT_FADE = 0.8
 
 
 class Scheduler:
@@ -48,9 +46,11 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         divergence: DivergenceFinder | None = None,
+        draft_policy: DraftPolicy | None = None,
     ) -> None:
         """divergence: told of every prompt admitted with prefix caching on (it reports where
-        prompts stop sharing a prefix)."""
+        prompts stop sharing a prefix). draft_policy: how many draft tokens each request checks
+        (speculative decoding); None: the default one for config.speculation, if it is on."""
         capacity = kv_cache_manager.block_pool.num_blocks * kv_cache_manager.block_size
         # With this, a request alone always fits, so preempting all others always frees enough.
         assert max_model_len <= capacity, f"max_model_len {max_model_len} exceeds the pool ({capacity} slots)"
@@ -71,9 +71,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
-        self.step_cost = StepCostModel()
-        """Fitted from the engine's step timings: whether a draft row pays (speculation)."""
-        self.spec_decode_stats = SpecDecodeStats() if config.speculation is not None else None
+        if draft_policy is None and config.speculation is not None:
+            draft_policy = DraftPolicy(config.speculation)
+        self.draft_policy = draft_policy
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -150,7 +150,10 @@ class Scheduler:
             num_behind_me = len(self.running) - index - 1
             room = max(1, token_budget - num_behind_me)
             num_new = min(request.num_tokens - request.num_computed_tokens, room)
-            draft = self._draft_to_check(request, room) if num_new == 1 else []
+            draft = []  # a decoding request's draft tokens: as many as fit and its policy allows
+            if num_new == 1 and self.draft_policy is not None:
+                fit = min(room - 1, self.max_model_len - request.num_tokens)
+                draft = self.draft_policy.drafts_to_check(request, fit, len(self.running))
             while self.kv_cache_manager.allocate_slots(request, num_new + len(draft)) is None:
                 if draft:  # the pool is short: check no drafts before preempting anyone
                     draft = []
@@ -166,67 +169,11 @@ class Scheduler:
             index += 1
         return token_budget
 
-    def _draft_to_check(self, request: Request, room: int) -> list[int]:
-        """The draft tokens a decoding request checks this step: what it was proposed, cut to
-        the budget, max_model_len and max_tokens, and to none where a draft row is not worth
-        its cost: a request checks drafts while the share of them it has been accepting beats
-        what a row costs a step of this size (StepCostModel); otherwise one draft token now and
-        then (a probe, so a request that starts quoting its context is noticed), rarer as rows
-        get dearer, so probes cost a step about 1% at most.
-
-        A constrained request's draft stops before the first token its grammar refuses (that one
-        could not be accepted); where the grammar itself forces a longer run of tokens from here
-        (a JSON schema's keys and punctuation: xgrammar's jump-forward tokens), that run is the
-        draft instead, up to num_speculative_tokens."""
-        spec = self.config.speculation
-        if spec is None or not (request.spec_token_ids or request.grammar is not None):
-            return []
-        if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
-            return []
-        limit = min(
-            room - 1,
-            self.max_model_len - request.num_tokens,
-            request.max_tokens - request.num_output_tokens - 1,
-        )
-        row_cost = self.step_cost.row_cost(len(self.running))
-        if request.draft_acceptance <= row_cost:
-            probe_every = max(8, math.ceil(100 * row_cost))
-            limit = min(limit, 1 if request.num_output_tokens % probe_every == 0 else 0)
-        if limit <= 0:
-            return []
-        if request.grammar is not None:
-            try:
-                return self._constrained_draft(request, spec.num_speculative_tokens)[:limit]
-            except Exception:  # its matcher's fault: no drafts, and the bitmask fails it alone
-                logger.exception("Request %s: its grammar could not check drafts", request.req_id)
-                return []
-        return request.spec_token_ids[:limit]
-
-    @staticmethod
-    def _constrained_draft(request: Request, max_tokens: int) -> list[int]:
-        """The longer of the proposer's draft up to the first token the grammar refuses and the
-        tokens the grammar forces from here. Forced tokens only once min_tokens is reached, as the
-        proposer's (min_tokens bans tokens by position)."""
-        assert request.grammar is not None
-        proposed = request.spec_token_ids
-        proposed = proposed[: request.grammar.valid_prefix(proposed)] if proposed else []
-        if request.num_output_tokens < request.sampling_params.min_tokens:
-            return proposed
-        forced = request.grammar.forced_tokens()[:max_tokens]
-        return forced if len(forced) > len(proposed) else proposed
-
-    def _record_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
-        assert self.spec_decode_stats is not None  # drafts are scheduled only with speculation on
-        self.spec_decode_stats.record(num_draft, num_accepted)
-        request.num_draft_tokens += num_draft
-        request.num_accepted_tokens += num_accepted
-        accepted, checked = request.recent_drafts
-        request.recent_drafts = (DRAFT_FADE * accepted + num_accepted, DRAFT_FADE * checked + num_draft)
-
     def record_step_time(self, num_rows: int, seconds: float) -> None:
         """The engine's timing of a step of num_rows rows (the forward and sampling), with
-        speculative decoding on (the one reader of these timings)."""
-        self.step_cost.record(num_rows, seconds)
+        speculative decoding on: the draft policy's cost model reads it."""
+        if self.draft_policy is not None:
+            self.draft_policy.record_step_time(num_rows, seconds)
 
     def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -284,7 +231,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        request.spec_token_ids = []
+        if self.draft_policy is not None:
+            self.draft_policy.preempted(request.req_id)
         self._num_blocks_sent.pop(request.req_id, None)  # the runner drops it; on resume it is new
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -347,9 +295,9 @@ class Scheduler:
             if draft:
                 num_new -= len(draft) + 1 - len(token_ids) if token_ids else len(draft)
             request.num_computed_tokens += num_new
-            request.spec_token_ids = []
-            if draft and token_ids:
-                self._record_acceptance(request, len(draft), len(token_ids) - 1)
+            if self.draft_policy is not None:  # a request that ends now is forgotten in _free_request
+                proposal = runner_output.spec_token_ids.get(req_id, []) if token_ids else []
+                self.draft_policy.record(request, draft or [], len(token_ids or []), proposal)
             if not token_ids:
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
@@ -377,8 +325,6 @@ class Scheduler:
                 outputs.append(failed)
                 any_finished = True
                 continue
-            if status is None:
-                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
@@ -428,6 +374,8 @@ class Scheduler:
     def _free_request(self, request: Request, now: float | None = None) -> None:
         self.kv_cache_manager.free(request)
         self._num_blocks_sent.pop(request.req_id, None)
+        if self.draft_policy is not None:
+            self.draft_policy.finished(request.req_id)
         request.metrics.finished_time = now if now is not None else time.monotonic()
         del self.requests[request.req_id]
         self._finished_req_ids.append(request.req_id)
@@ -448,5 +396,5 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             num_disk_hit_tokens=self.num_disk_hit_tokens,
             prefix_cache=self.prefix_cache_stats,
-            spec_decode=self.spec_decode_stats,
+            spec_decode=self.draft_policy.stats if self.draft_policy is not None else None,
         )

@@ -1,10 +1,11 @@
 """ModelRunner: the mechanism that executes one scheduled step on the device.
 
 the step's delta -> input batch -> input tensors -> model -> logits of the rows to sample
--> grammar bitmask (structured output) -> sampler. It receives ids, counts and, once per
-request, its prompt and settings (SchedulerOutput), never scheduler objects; it keeps its own
-copy of each request, a row of its input batch (input_batch.py), and appends the tokens it
-samples there.
+-> grammar bitmask (structured output) -> sampler (with speculative decoding, also the check of
+draft tokens and the proposals for the next step: spec_decode/runner_step.py). It receives
+ids, counts and, once per request, its prompt and settings (SchedulerOutput), never scheduler
+objects; it keeps its own copy of each request, a row of its input batch (input_batch.py), and
+appends the tokens it samples there.
 
 Failure isolation: the forward pass is the whole batch's, and an error there propagates (the
 engine's state is then unknown). What is one request's own (its sampling settings, its prompt
@@ -25,6 +26,7 @@ from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import make_proposer
+from pagedllm.spec_decode.runner_step import SpecDecodeStep, first_logits_rows
 from pagedllm.structured_output.bitmask import GrammarBitmask, apply_bitmask
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_builder import ModelInput, build_model_input
@@ -51,12 +53,13 @@ class ModelRunner:
         each step for the requests that sampled (rank 0 only)."""
         self.model = model
         self.samples = samples
-        self.speculation = speculation if samples else None
-        self.proposer = make_proposer(self.speculation) if self.speculation is not None else None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
+        self.spec_decode: SpecDecodeStep | None = None
+        if speculation is not None and samples:
+            self.spec_decode = SpecDecodeStep(speculation, make_proposer(speculation), self.sampler)
         self.input_batch = InputBatch(
             max_num_reqs,
             max_model_len,
@@ -83,9 +86,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.update(scheduler_output)
-        if self.proposer is not None:
-            for req_id in scheduler_output.finished_req_ids:
-                self.proposer.finish(req_id)
+        if self.spec_decode is not None:
+            self.spec_decode.finish(scheduler_output.finished_req_ids)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -111,7 +113,7 @@ class ModelRunner:
         if model_input.sampled_rows:
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
             assert logits is not None  # rank 0 gets the whole vocabulary
-            first_logits = _first_logits_rows(model_input.drafts)
+            first_logits = first_logits_rows(model_input.drafts)
             if grammar_bitmask is not None:  # a row per position a constrained request samples at
                 output.failed.update(grammar_bitmask.failed)
                 output.grammar_dead_ends = grammar_bitmask.dead_ends
@@ -127,7 +129,10 @@ class ModelRunner:
                     rows = [model_input.sampled_rows[i] for i in plain]
                     self._sample(logits[[first_logits[i] for i in plain]], rows, output)
                 self._verify(logits, first_logits, model_input, output)
-            self._propose(model_input.sampled_rows, output)
+            if self.spec_decode is not None:
+                sampled = output.sampled_token_ids
+                proposals = self.spec_decode.propose(batch, model_input.sampled_rows, sampled)
+                output.spec_token_ids.update(proposals)
         return output
 
     def _verify(
@@ -137,52 +142,25 @@ class ModelRunner:
         model_input: ModelInput,
         output: ModelRunnerOutput,
     ) -> None:
-        """The requests with draft tokens: their accepted tokens and one more (Sampler.verify),
-        all at once, or each alone where that raises."""
-        batch = self.input_batch
+        """The requests with draft tokens, checked by spec_decode (their accepted tokens and one
+        more) all at once, or each alone where that raises."""
+        assert self.spec_decode is not None  # drafts are scheduled only with speculation on
+        batch, spec_decode = self.input_batch, self.spec_decode
+
+        def check(group: list[int]) -> None:
+            args = (first_logits, model_input.sampled_rows, model_input.drafts, group)
+            rows, tokens, logprobs = spec_decode.verify(batch, logits, *args)
+            self._record(output, tokens, logprobs, rows)
+
         checked = [i for i, draft in enumerate(model_input.drafts) if draft]
         try:
-            self._verify_group(logits, first_logits, model_input, checked, output)
+            check(checked)
             return
         except Exception:
             logger.warning("Batched draft checking failed; checking the %d requests one by one", len(checked))
         for i in checked:
             with _failing_alone(output, batch.req_ids[model_input.sampled_rows[i]]):
-                self._verify_group(logits, first_logits, model_input, [i], output)
-
-    def _verify_group(
-        self,
-        logits: torch.Tensor,
-        first_logits: list[int],
-        model_input: ModelInput,
-        group: list[int],
-        output: ModelRunnerOutput,
-    ) -> None:
-        drafts = [model_input.drafts[i] for i in group]
-        rows = [model_input.sampled_rows[i] for i in group]
-        logits_rows = [first_logits[i] + j for i in group for j in range(len(model_input.drafts[i]) + 1)]
-        metadata_rows = [
-            model_input.sampled_rows[i] for i in group for _ in range(len(model_input.drafts[i]) + 1)
-        ]
-        drafts_before = [j for i in group for j in range(len(model_input.drafts[i]) + 1)]
-        tokens, logprobs = self.sampler.verify(
-            logits[logits_rows], self.input_batch.sampling_metadata(metadata_rows, drafts_before), drafts
-        )
-        self._record(output, tokens, logprobs, rows)
-
-    def _propose(self, rows: list[int], output: ModelRunnerOutput) -> None:
-        """Draft tokens for the next step of the requests that sampled and may speculate."""
-        if self.proposer is None or self.speculation is None:
-            return
-        batch = self.input_batch
-        for row in rows:
-            req_id = batch.req_ids[row]
-            if req_id not in output.sampled_token_ids or not batch.speculates(row):
-                continue
-            context = batch.token_ids[row, : int(batch.num_tokens[row])]
-            draft = self.proposer.propose(req_id, context, self.speculation.num_speculative_tokens)
-            if draft:
-                output.spec_token_ids[req_id] = draft
+                check([i])
 
     def _logits_for_rank_0(self, hidden: torch.Tensor, model_input: ModelInput) -> None:
         """Tensor-parallel ranks but 0, with a vocabulary-parallel head: their share of every
@@ -237,15 +215,6 @@ class ModelRunner:
         assert logits is not None
         k = batch.num_prompt_logprobs[row]
         return gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * num_rows)  # type: ignore[return-value]
-
-
-def _first_logits_rows(drafts: list[list[int]]) -> list[int]:
-    """Each sampling request's first row of the logits: len(draft) + 1 rows each."""
-    firsts, at = [], 0
-    for draft in drafts:
-        firsts.append(at)
-        at += len(draft) + 1
-    return firsts
 
 
 @contextlib.contextmanager
