@@ -37,7 +37,7 @@ def main() -> None:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             totals[name][0] += time.perf_counter() - start
             totals[name][1] += sum(len(o.outputs[0].token_ids) for o in outputs)
-    finder = engines["finder on"].llm_engine.divergence
+    finder = engines["finder on"].llm_engine.core.divergence
     start = time.perf_counter()
     groups = finder.report()
     analyse_s = time.perf_counter() - start

@@ -21,9 +21,11 @@ import httpx
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.draft_policy import DraftPolicy
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.step_cost import StepCostModel
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.loader import default_model_path
@@ -139,11 +141,21 @@ class RemoteServer:
         return self.proc.wait(timeout)
 
 
+class FreeRows(StepCostModel):
+    """A step-cost model that takes every row as free (a memory-bound step), whatever it was told."""
+
+    def row_cost(self, rows: int) -> float:
+        return 0.0
+
+
 def rows_free(llm: LLM) -> LLM:
-    """The engine's step-cost model pinned to "a row is free" (a memory-bound step): a test that
-    counts the drafts kept then does not depend on how busy the host's cores were while the steps it
-    timed ran (the back-off itself is tested with fake timings, in test_spec_decode)."""
-    llm.llm_engine.scheduler.step_cost.row_cost = lambda rows: 0.0  # type: ignore[method-assign]
+    """The engine's scheduler given a draft policy whose rows are free (FreeRows), before any
+    request: a test that counts the drafts kept then does not depend on how busy the host's cores
+    were while the steps it timed ran (the back-off itself is tested with fake timings, in
+    test_spec_decode). LLMEngine builds its scheduler itself, so the policy is swapped in here."""
+    scheduler = llm.llm_engine.core.scheduler
+    assert scheduler.config.speculation is not None and not scheduler.requests
+    scheduler.draft_policy = DraftPolicy(scheduler.config.speculation, FreeRows())
     return llm
 
 
@@ -168,6 +180,7 @@ def make_scheduler(
     max_model_len=None,
     policy="fcfs",
     speculative_config=None,
+    draft_policy=None,
 ):
     max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
     config = EngineConfig(
@@ -178,7 +191,8 @@ def make_scheduler(
         scheduling_policy=policy,
         speculative_config=speculative_config,
     )
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
+    manager = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(config, manager, max_model_len, draft_policy=draft_policy)
 
 
 def make_request(

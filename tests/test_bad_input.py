@@ -91,7 +91,7 @@ def test_bad_requests_are_rejected_and_the_batch_is_unaffected(llm):
         ("fine prompt", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
         ("a lone \udc00 surrogate", params, "prompt: holds a lone surrogate"),
     ]
-    blocks_before = engine.kv_cache_manager.block_pool.num_free_blocks
+    blocks_before = engine.core.kv_cache_manager.block_pool.num_free_blocks
     for prompt, p, message in bad:
         with pytest.raises(ValueError, match=message):
             engine.add_request(None, prompt, p)
@@ -99,7 +99,7 @@ def test_bad_requests_are_rejected_and_the_batch_is_unaffected(llm):
     for field, value in (("cache_salt", "\ud800"), ("user", "\ud800"), ("user", "u" * 257)):
         with pytest.raises(ValueError, match=f"^{field}:"):
             engine.add_request(None, long_prompt, params, **{field: value})
-    assert engine.kv_cache_manager.block_pool.num_free_blocks == blocks_before
+    assert engine.core.kv_cache_manager.block_pool.num_free_blocks == blocks_before
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good-0", "duplicate id", params)
     engine.add_request("good-1", "Another good one", params)
@@ -149,6 +149,6 @@ def test_a_request_whose_sampling_fails_ends_alone_with_an_error(llm, monkeypatc
     outputs = llm.generate([*prompts, "A bad one"], [params, params, bad], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs[:2]] == [e.outputs[0].token_ids for e in expected]
     assert outputs[2].outputs[0].finish_reason == "error" and "injected" in outputs[2].error
-    pool = llm.llm_engine.kv_cache_manager.block_pool
+    pool = llm.llm_engine.core.kv_cache_manager.block_pool
     assert not llm.llm_engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks
     pool.check_integrity()

@@ -18,10 +18,11 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import BlockQuantized
-from pagedllm.model.checkpoint_quant import iter_checkpoint_weights, read_checkpoint_quantization
+from pagedllm.model.checkpoint_quant import iter_checkpoint_weights
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import check_quantization
 from pagedllm.planner import weights_by_format
+from pagedllm.quantization.registry import read_checkpoint_quantization
 
 from .helpers import TEST_ENGINE_ARGS, assert_greedy_equal, save_tiny_model
 
@@ -260,7 +261,7 @@ def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tm
         runs[quantization] = (
             output.outputs[0].token_ids,
             logprobs,
-            engine.llm_engine.worker.weights_bytes_by_format(),
+            engine.llm_engine.core.worker.weights_bytes_by_format(),
         )
         del engine
     tokens, _, formats = runs["none"]

@@ -234,7 +234,12 @@ def test_no_compile_process_is_a_503_with_retry_after():
                 "structured_outputs.regex: no grammar compile process is available"
             )
 
-    engine = AsyncLLM(None)  # type: ignore[arg-type]  # the pool is all this path touches
+    from types import SimpleNamespace
+
+    from pagedllm.config import EngineConfig
+
+    core = SimpleNamespace(config=EngineConfig(), facts=None)  # the pool is all this path touches
+    engine = AsyncLLM(core, None, None)  # type: ignore[arg-type]
     engine._grammar_pool = NoProcesses()  # type: ignore[assignment]
     with pytest.raises(EngineUnavailableError) as error:
         asyncio.run(engine._compile_grammar(regex("[a-z]"), client="A"))

@@ -117,7 +117,7 @@ def test_memory_stays_within_its_budget(tokenizer):
 def test_the_engine_reports_what_it_served():
     llm = LLM(**TEST_ENGINE_ARGS)
     llm.generate([timestamp_prompt(i) for i in range(6)], SamplingParams(max_tokens=1), use_tqdm=False)
-    [group] = llm.llm_engine.divergence.report()
+    [group] = llm.llm_engine.core.divergence.report()
     assert group.requests == 5 and "10:41:" in group.variants[0]
 
 

@@ -40,7 +40,7 @@ def test_preemption_under_a_tiny_pool_gives_the_same_outputs(baseline):
     outputs = tiny.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
     assert tiny.llm_engine.get_stats().num_preemptions > 0
     assert_same_or_near_tie(outputs, baseline, "tiny pool")
-    pool = tiny.llm_engine.kv_cache_manager.block_pool
+    pool = tiny.llm_engine.core.kv_cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks
     pool.check_integrity()
 
@@ -66,7 +66,7 @@ def test_the_pytorch_attention_path_gives_the_same_outputs(baseline, monkeypatch
 
     monkeypatch.setattr(model_runner, "select_backend", lambda device, dtype, *_: TorchBackend(dtype))
     torch_path = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=32, max_num_seqs=32)
-    assert isinstance(torch_path.llm_engine.executor.driver_worker.runner.attn_backend, TorchBackend)
+    assert isinstance(torch_path.llm_engine.core.executor.driver_worker.runner.attn_backend, TorchBackend)
     params = [_params(i) for i in range(len(PROMPTS))]
     outputs = torch_path.generate(PROMPTS, params, use_tqdm=False)
     assert_same_or_near_tie(outputs, baseline, "PyTorch attention")
@@ -119,6 +119,6 @@ def test_speculative_decoding_under_a_tiny_pool_gives_the_same_outputs(baseline)
     stats = tiny.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
     assert_same_or_near_tie(outputs, baseline, "speculative, tiny pool")
-    pool = tiny.llm_engine.kv_cache_manager.block_pool
+    pool = tiny.llm_engine.core.kv_cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks
     pool.check_integrity()

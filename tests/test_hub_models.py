@@ -75,7 +75,7 @@ def snapshot(cache: Path, commit: str, repo_id: str = REPO) -> Path:
 
 def test_hub_name_generates_like_the_default_model(hub_cache, network_calls, llm):
     hub_llm = LLM(model=REPO, **TEST_ENGINE_ARGS)
-    assert hub_llm.llm_engine.model_name == REPO  # the served name is the repo id, as in vLLM
+    assert hub_llm.llm_engine.facts.model_name == REPO  # the served name is the repo id, as in vLLM
     assert hub_llm.llm_engine.tokenizer_folder == snapshot(hub_cache, MAIN)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=16)

@@ -8,6 +8,7 @@ import asyncio
 from pagedllm import SamplingParams
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.output_processor import OutputProcessor
 
 
 def _spy_on_prompt_scans(monkeypatch) -> list[str]:
@@ -27,13 +28,16 @@ def _spy_on_prompt_scans(monkeypatch) -> list[str]:
 
 
 def test_a_server_request_is_validated_once_on_the_event_loop(llm, monkeypatch):
-    engine = llm.llm_engine
-    monkeypatch.setattr(engine, "close", lambda: None)  # the shared engine outlives this AsyncLLM
+    core = llm.llm_engine.core
+    monkeypatch.setattr(core, "close", lambda: None)  # the shared core outlives this AsyncLLM
     scans = _spy_on_prompt_scans(monkeypatch)
-    prompt_ids = llm.get_tokenizer()("One front door").input_ids
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer("One front door").input_ids
+    processor = InputProcessor.for_model(core.facts, tokenizer, core.config.max_logprobs)
 
     async def main():
-        async_llm = AsyncLLM(engine)
+        async_llm = AsyncLLM(core, processor, OutputProcessor(tokenizer))
+        assert async_llm.input_processor is not llm.llm_engine.input_processor  # its own front door
         async_llm.start()
         try:
             stream = await async_llm.generate(

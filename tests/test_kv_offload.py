@@ -56,7 +56,7 @@ def run(llm: LLM, prompt: str = PROMPT):
 
 def disk_store(llm: LLM) -> DiskKVStore:
     """Rank 0's store: the files behind an engine's disk tier."""
-    mover = llm.llm_engine.worker.kv_offload
+    mover = llm.llm_engine.core.worker.kv_offload
     assert mover is not None
     return mover.store
 
@@ -73,7 +73,7 @@ def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(tmp_p
     warm = run(restarted)
     full_blocks = (len(warm.prompt_token_ids) - 1) // 16
     assert warm.num_cached_tokens == full_blocks * 16 > 300
-    assert restarted.llm_engine.kv_cache_manager.num_disk_hit_blocks == full_blocks
+    assert restarted.llm_engine.core.kv_cache_manager.num_disk_hit_blocks == full_blocks
     assert restarted.llm_engine.get_stats().num_disk_hit_tokens == full_blocks * 16  # /metrics: source=disk
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
 
@@ -87,10 +87,10 @@ def test_blocks_evicted_under_pressure_come_back_from_disk(tmp_path, llm):
         run(small, "".join(f"Unrelated filler text number {i}, part {j}. " for j in range(30)))
     disk_store(small).flush()
     again = run(small)
-    assert small.llm_engine.kv_cache_manager.num_disk_hit_blocks > 0
+    assert small.llm_engine.core.kv_cache_manager.num_disk_hit_blocks > 0
     assert again.num_cached_tokens > 300
     assert again.outputs[0].token_ids == expected
-    small.llm_engine.kv_cache_manager.block_pool.check_integrity()
+    small.llm_engine.core.kv_cache_manager.block_pool.check_integrity()
 
 
 @pytest.mark.slow
@@ -267,7 +267,7 @@ def test_a_directory_turned_read_only_is_misses_and_schedule_touches_no_file(
     assert "served read-only" in caplog.text and disk_store(small).read_only
     assert touched == []
     small.llm_engine.close()
-    small.llm_engine.kv_cache_manager.block_pool.check_integrity()
+    small.llm_engine.core.kv_cache_manager.block_pool.check_integrity()
 
 
 def tiny_mover(directory: Path, max_staged_blocks: int = 8) -> KVOffloadMover:

@@ -212,7 +212,7 @@ def test_int8_preemption_finishes_with_the_same_outputs(int8_llm):
     outputs = tiny.generate(prompts, _greedy(30), use_tqdm=False)
     assert tiny.llm_engine.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in baseline]
-    pool = tiny.llm_engine.kv_cache_manager.block_pool
+    pool = tiny.llm_engine.core.kv_cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks
     pool.check_integrity()
 

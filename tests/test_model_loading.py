@@ -183,7 +183,7 @@ def test_an_image_and_text_gemma3_checkpoint_serves_its_language_model(tmp_path)
     ref_tokens = generated.sequences[0, len(ids) :].tolist()
     with pagedllm_log_lines() as lines:
         ours = LLM(str(tmp_path), **{**TEST_ENGINE_ARGS, "max_model_len": 512})
-    assert ours.llm_engine.model_config.architecture == "Gemma3ForCausalLM"
+    assert ours.llm_engine.facts.model_config.architecture == "Gemma3ForCausalLM"
     assert any("34 vision tensors not loaded" in line for line in lines), lines
     out = ours.generate(
         {"prompt_token_ids": ids},

@@ -66,12 +66,12 @@ def test_planner_blocks_equal_what_the_engine_allocates(llm, kv_cache_dtype):
         max_model_len=TEST_ENGINE_ARGS["max_model_len"],
         budget=MemoryBudget(kv_cache_memory_bytes=256 * 2**20),
     )
-    assert plan.kv.num_blocks == engine.kv_cache_plan.num_blocks
-    assert plan.kv.num_tokens == engine.kv_cache_plan.num_tokens
-    assert plan.kv.max_concurrency == engine.kv_cache_plan.max_concurrency
-    assert plan.weights_bytes == engine.worker.weights_bytes
+    assert plan.kv.num_blocks == engine.facts.num_kv_blocks
+    assert plan.kv.num_tokens == engine.facts.kv_cache_plan.num_tokens
+    assert plan.kv.max_concurrency == engine.facts.kv_cache_plan.max_concurrency
+    assert plan.weights_bytes == engine.core.worker.weights_bytes
     # ... and the tensors really have that many blocks and bytes, scales included
-    caches = engine.worker.runner.kv_caches
+    caches = engine.core.worker.runner.kv_caches
     assert all(k.shape[0] == v.shape[0] == plan.kv.num_blocks for k, v in caches)
     allocated = sum(k.nbytes + v.nbytes for k, v in caches)
     assert allocated == plan.kv.num_tokens * plan.kv.spec.bytes_per_token == plan.kv.allocated_bytes

@@ -175,7 +175,7 @@ def test_eviction_under_pressure_keeps_outputs_correct(uncached):
     outputs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     expected = uncached.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
-    pool = small.llm_engine.kv_cache_manager.block_pool
+    pool = small.llm_engine.core.kv_cache_manager.block_pool
     pool.check_integrity()
     assert pool.num_free_blocks == pool.num_blocks and pool.num_evictions > 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from typing import get_args
 
 import gguf
 import numpy as np
@@ -12,12 +13,18 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import Quantization
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import BlockQuantized, join_rows, quantize
+from pagedllm.model.checkpoint_quant import CheckpointQuantization, Scheme
 from pagedllm.model.gguf_weights import read_tensor
 from pagedllm.model.loader import check_quantization, default_model_path
 from pagedllm.planner import gguf_weights_by_format
+from pagedllm.quantization import registry
+from pagedllm.quantization.base import HeldByCheckpoint
+from pagedllm.quantization.linear_method import BlockQuantizedLinearMethod, FloatLinearMethod
+from pagedllm.quantization.registry import QUANTIZATION_METHODS
 
 from .helpers import TEST_ENGINE_ARGS, TINY, save_tiny_model, tiny_architectures, write_tiny_gguf
 
@@ -164,7 +171,7 @@ def test_default_gguf_served_quantized_agrees_with_its_dequantized_run(llm, capl
 
     # `pagedllm plan` counts the same bytes from the file's tensor directory alone
     planned = gguf_weights_by_format(default_model_path(), TEST_ENGINE_ARGS["dtype"])
-    held = quantized.llm_engine.worker.weights_bytes_by_format()
+    held = quantized.llm_engine.core.worker.weights_bytes_by_format()
     assert planned.keys() == held.keys()
     for name, size in held.items():
         assert abs(planned[name] - size) <= 0.01 * size + 4096, (name, planned[name], size)
@@ -208,7 +215,9 @@ def _run(model, quantization: str | None) -> Run:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
     out = engine.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
     logprobs = torch.tensor([out.prompt_logprobs[i][token].logprob for i, token in enumerate(ids) if i])
-    return Run(logprobs, list(out.outputs[0].token_ids), engine.llm_engine.worker.weights_bytes_by_format())
+    return Run(
+        logprobs, list(out.outputs[0].token_ids), engine.llm_engine.core.worker.weights_bytes_by_format()
+    )
 
 
 # The mean |logprob difference| of the prompt's tokens, over seeds 0-3 of the tiny model, with the
@@ -348,3 +357,53 @@ def test_gguf_with_float_parts_in_fused_projections_matches_it_dequantized(
         return
     difference = (ours.logprobs - reference.logprobs).abs()  # observed: mean 0.036, max 0.18
     assert float(difference.mean()) < 0.08 and float(difference.max()) < 0.4
+
+
+def test_the_quantization_flag_names_exactly_the_registered_methods():
+    """pagedllm/config.py's Quantization (the CLI's choices, a layer below quantization/) and the
+    registry list the same names: a registered method can be named, a name has a method."""
+    assert set(get_args(Quantization)) == set(QUANTIZATION_METHODS)
+
+
+def test_a_new_checkpoint_method_is_one_registry_row(tmp_path, monkeypatch):
+    """A format family registered by one row is detected from quantization_config and checked
+    against --quantization through that row alone, with no rule elsewhere naming it."""
+
+    class Hypothetical(HeldByCheckpoint):
+        name = "hypothetical"
+        held_as = "hypothetical checkpoint"
+
+        @classmethod
+        def read(cls, config):
+            scheme = Scheme("ct-int", 8, -1, symmetric=True)
+            return CheckpointQuantization(cls.name, ((("Linear",), scheme),))
+
+    monkeypatch.setitem(registry.QUANTIZATION_METHODS, "hypothetical", Hypothetical)
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "Hypothetical"}}')
+    own = registry.model_quantization(tmp_path)
+    assert isinstance(own, Hypothetical) and own.checkpoint.method == "hypothetical"
+    registry.check_quantization("hypothetical", "hypothetical")
+    registry.check_quantization("none", "hypothetical")
+    with pytest.raises(ValueError, match="hypothetical checkpoint is quantized already"):
+        registry.check_quantization("int8", "hypothetical")
+    with pytest.raises(ValueError, match=r"hypothetical-quantized \(give --quantization hypothetical"):
+        registry.check_quantization("awq", "hypothetical")
+
+
+def test_a_projection_hands_its_weight_to_the_method_that_holds_it():
+    """Float until a part loads quantized; back to float when a float part joins quantized ones
+    (exact); once prepared, the quantized parts are let go (the packed weight is all it holds)."""
+    layer = MergedColumnParallelLinear(64, [32, 32], False, None)
+    assert isinstance(layer.method, FloatLinearMethod)
+    first = quantize(torch.randn(32, 64), 8)
+    layer.weight_loader(layer.weight, first, 0)
+    assert isinstance(layer.method, BlockQuantizedLinearMethod) and layer.quantized is first
+    second = torch.randn(32, 64)
+    layer.weight_loader(layer.weight, second, 1)
+    assert isinstance(layer.method, FloatLinearMethod) and layer.quantized is None
+    assert torch.equal(layer.weight.data, torch.cat([first.dequantize(), second]))
+    quantized = RowParallelLinear(64, 32, None)
+    quantized.weight_loader(quantized.weight, quantize(torch.randn(32, 64), 4), None)
+    quantized.choose_impl(torch.device("cpu"), torch.float32)
+    assert quantized.quantized is None
+    assert quantized.weight_format == ("int4" if cpu_ops.serves_quant_linear(4, 32, 64) else "")

@@ -493,7 +493,7 @@ def test_metrics_parse_and_counters_move(client, http, llm):
         "block_size": "16",
         "cache_dtype": "auto",
         "enable_prefix_caching": "True",
-        "num_gpu_blocks": str(llm.llm_engine.kv_cache_plan.num_blocks),  # same engine settings
+        "num_gpu_blocks": str(llm.llm_engine.facts.num_kv_blocks),  # same engine settings
     }
     assert ("pagedllm:prefix_cache_hits_total", ()) in after and (
         "pagedllm:num_preemptions_total",
@@ -508,7 +508,7 @@ def test_stats_and_dashboard(server, client, http, llm):
     )
     after = http.get("/stats").json()
     assert after["finished"] == before["finished"] + 1
-    assert after["kv_cache"]["num_blocks"] == llm.llm_engine.kv_cache_plan.num_blocks  # same engine settings
+    assert after["kv_cache"]["num_blocks"] == llm.llm_engine.facts.num_kv_blocks  # same engine settings
     caller = after["prefix_cache"]["by_user"]["dashboard-user"]
     assert caller["requests"] == 1 and caller["queries"] > 0
     for phase in ("queue_time", "prefill_time", "decode_time", "time_to_first_token", "e2e_latency"):

@@ -1,4 +1,4 @@
-"""AsyncLLM without a model: a scripted engine shows the thread hand-offs, the atomic fan-out,
+"""AsyncLLM without a model: a scripted core shows the thread hand-offs, the atomic fan-out,
 the queue limit and what callers see when the engine thread dies."""
 
 from __future__ import annotations
@@ -7,25 +7,44 @@ import asyncio
 
 import pytest
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM, EngineUnavailableError, QueueFullError, RequestFailedError
 from pagedllm.engine.input_processor import EngineRequest
+from pagedllm.engine.output_processor import ProcessedOutputs
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 
 class PassThroughProcessor:
-    """Checks nothing: the prompt text rides along for ScriptedEngine to read."""
+    """Checks nothing: the prompt text rides along for ScriptedCore to read."""
 
     def process(self, req_id, prompt, params, **kwargs) -> EngineRequest:
         return EngineRequest(req_id, [], params, max_tokens=1, arrival_time=0.0, prompt=prompt)
 
 
-class ScriptedEngine:
+class PassThroughOutputs:
+    """The scripted core's step gives RequestOutputs already: nothing to detokenize."""
+
+    def has_request(self, req_id: str) -> bool:
+        return False
+
+    def add_request(self, request) -> None:
+        pass
+
+    def abort(self, req_ids) -> list[RequestOutput]:
+        return []
+
+    def process(self, outputs) -> ProcessedOutputs:
+        return ProcessedOutputs(outputs=list(outputs))
+
+
+class ScriptedCore:
     """Each step gives every live request one more token 'a'; requests end after `length` tokens."""
 
-    tokenizer = None
-    input_processor = PassThroughProcessor()
+    config = EngineConfig(disable_log_stats=True)
+    facts = None
 
     def __init__(self, fail_on_step: int | None = None, length: int = 3) -> None:
         """A prompt "fail" makes its request fail alone at its second token."""
@@ -35,16 +54,18 @@ class ScriptedEngine:
         self.steps = 0
         self.fail_on_step = fail_on_step
 
-    def add_processed(self, request: EngineRequest) -> str:
+    def add_request(self, request: EngineRequest) -> EngineRequest:
         req_id, prompt, params = request.req_id, request.prompt, request.sampling_params
         if prompt == "bad":
             raise ValueError("prompt: bad")
         self.live[req_id] = (prompt, params, 0)
-        return req_id
+        return request
 
-    def abort_request(self, req_ids):
-        self.aborted += [r for r in req_ids if r in self.live]
-        return [self._output(r, self.live.pop(r)[2], "abort") for r in req_ids if r in self.live]
+    def finish_requests(self, req_ids, status: RequestStatus) -> None:
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.aborted += [r for r in req_ids if r in self.live]
+        for req_id in req_ids:
+            self.live.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
@@ -54,6 +75,9 @@ class ScriptedEngine:
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_waiting_reqs=len(self.live))
+
+    def close(self) -> None:
+        pass
 
     def step(self) -> list[RequestOutput]:
         self.steps += 1
@@ -80,9 +104,13 @@ class ScriptedEngine:
         )
 
 
-def run(engine: ScriptedEngine, body, **kwargs):
+def scripted(core: ScriptedCore, **kwargs) -> AsyncLLM:
+    return AsyncLLM(core, PassThroughProcessor(), PassThroughOutputs(), **kwargs)  # type: ignore[arg-type]
+
+
+def run(engine: ScriptedCore, body, **kwargs):
     async def main():
-        llm = AsyncLLM(engine, **kwargs)  # type: ignore[arg-type]
+        llm = scripted(engine, **kwargs)
         llm.start()
         try:
             return await body(llm)
@@ -93,7 +121,7 @@ def run(engine: ScriptedEngine, body, **kwargs):
 
 
 def test_fan_out_streams_every_choice_to_the_end():
-    engine = ScriptedEngine()
+    engine = ScriptedCore()
 
     async def body(llm: AsyncLLM):
         stream = await llm.generate(["x", "y"], SamplingParams(n=2), request_id="r")
@@ -105,15 +133,15 @@ def test_fan_out_streams_every_choice_to_the_end():
 
 
 def test_a_bad_prompt_adds_nothing_and_a_full_queue_refuses():
-    engine = ScriptedEngine(length=10**9)
+    engine = ScriptedCore(length=10**9)
     seeds = []
-    original = engine.add_processed
+    original = engine.add_request
 
     def recording_add(request):
         seeds.append(request.sampling_params.seed)
         return original(request)
 
-    engine.add_processed = recording_add  # type: ignore[method-assign]
+    engine.add_request = recording_add  # type: ignore[method-assign]
 
     async def body(llm: AsyncLLM):
         with pytest.raises(ValueError, match="prompt: bad"):
@@ -133,7 +161,7 @@ def test_a_bad_prompt_adds_nothing_and_a_full_queue_refuses():
 
 
 def test_close_aborts_what_is_still_running():
-    engine = ScriptedEngine(length=10**9)
+    engine = ScriptedCore(length=10**9)
 
     async def body(llm: AsyncLLM):
         stream = await llm.generate(["x"], SamplingParams(), request_id="r")
@@ -146,7 +174,7 @@ def test_close_aborts_what_is_still_running():
 
 
 def test_a_dead_engine_fails_streams_refuses_new_work_and_calls_the_fatal_callback():
-    engine = ScriptedEngine(fail_on_step=2)
+    engine = ScriptedCore(fail_on_step=2)
     fatal: list[BaseException] = []
 
     async def body(llm: AsyncLLM):
@@ -165,7 +193,7 @@ def test_a_dead_engine_fails_streams_refuses_new_work_and_calls_the_fatal_callba
 
 
 def test_a_request_that_fails_alone_gets_an_error_and_the_others_finish():
-    engine = ScriptedEngine(length=4)
+    engine = ScriptedCore(length=4)
     fatal: list[BaseException] = []
 
     async def body(llm: AsyncLLM):
@@ -190,33 +218,34 @@ def test_shutdown_refuses_new_requests():
         with pytest.raises(EngineUnavailableError, match="shutting down"):
             await llm.generate(["x"], SamplingParams(), request_id="r")
 
-    run(ScriptedEngine(), body)
+    run(ScriptedCore(), body)
 
 
 def test_launch_builds_the_engine_on_the_engine_thread_and_reports_build_errors():
     import threading
 
-    import pytest
-
-    from pagedllm.engine.async_engine import AsyncLLM
-
     built_on = []
 
-    class Tiny:
-        def has_unfinished_requests(self):
-            return False
-
-    def make():
+    def make() -> AsyncLLM:
         built_on.append(threading.current_thread().name)
-        return Tiny()
+        return scripted(ScriptedCore())
 
     async_llm = AsyncLLM.launch(make)
-    assert built_on == ["pagedllm-engine"] and isinstance(async_llm.engine, Tiny)
+    assert built_on == ["pagedllm-engine"] and isinstance(async_llm.core, ScriptedCore)
     asyncio.run(async_llm.shutdown())
     assert not async_llm.is_healthy
 
-    def broken():
+    def broken() -> AsyncLLM:
         raise ValueError("max_model_len: too long")
 
     with pytest.raises(ValueError, match="too long"):
         AsyncLLM.launch(broken)
+
+
+def test_the_front_end_owns_its_processors_and_reads_facts_not_the_core():
+    """The event loop's InputProcessor is the AsyncLLM's own: nothing reaches into the core for it."""
+    core = ScriptedCore()
+    processor = PassThroughProcessor()
+    llm = AsyncLLM(core, processor, PassThroughOutputs())  # type: ignore[arg-type]
+    assert llm.input_processor is processor and llm.config is core.config and llm.facts is core.facts
+    assert {name for name, value in vars(AsyncLLM).items() if isinstance(value, property)} == {"is_healthy"}

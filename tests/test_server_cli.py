@@ -283,7 +283,7 @@ def test_chat_loop_keys():
 
 def test_a_stopped_chat_reply_frees_its_blocks(llm):
     engine = llm.llm_engine
-    free_before = engine.kv_cache_manager.block_pool.num_free_blocks
+    free_before = engine.core.kv_cache_manager.block_pool.num_free_blocks
     params = SamplingParams(max_tokens=64, ignore_eos=True)
 
     def reply(messages):
@@ -293,7 +293,7 @@ def test_a_stopped_chat_reply_frees_its_blocks(llm):
     messages = chat.chat_loop(reply, read=lambda _: next(prompts), out=_cut_on(4), err=io.StringIO())
     assert messages[-1]["role"] == "assistant" and messages[-1]["content"]  # three pieces came
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager.block_pool.num_free_blocks == free_before
+    assert engine.core.kv_cache_manager.block_pool.num_free_blocks == free_before
 
 
 def _read_until(fd: int, text: str, seen: list[str], since: int = 0, timeout: float = 180) -> int:

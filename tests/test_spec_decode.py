@@ -16,14 +16,17 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.core.draft_policy import DraftPolicy
 from pagedllm.core.step_cost import StepCostModel
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.request import RequestStatus
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.rejection import RejectionSampler
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
 
-from .helpers import TEST_ENGINE_ARGS, fake_run, make_request, make_scheduler, rows_free
+from .helpers import TEST_ENGINE_ARGS, FreeRows, fake_run, make_request, make_scheduler, rows_free
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
@@ -87,11 +90,11 @@ def _metadata(num_rows: int, greedy: bool) -> SamplingMetadata:
 
 def test_greedy_check_keeps_the_argmax_run_and_corrects_the_first_miss():
     logits = torch.tensor([[0.0, 5, 0, 0], [0, 0, 5, 0], [5.0, 0, 0, 0], [0, 0, 0, 5]])
-    sampler = Sampler(torch.device("cpu"), seed=0)
+    sampler = RejectionSampler(Sampler(torch.device("cpu"), seed=0))
     # argmaxes 1 2 0 3: drafts [1, 2, 3] -> 1, 2 accepted, 3 replaced by 0; a full match gets 1 more
-    assert sampler.verify(logits, _metadata(4, True), [[1, 2, 3]])[0] == [[1, 2, 0]]
-    assert sampler.verify(logits[:3], _metadata(3, True), [[1, 2]])[0] == [[1, 2, 0]]
-    assert sampler.verify(logits, _metadata(4, True), [[3], [2]])[0] == [[1], [0]]
+    assert sampler(logits, _metadata(4, True), [[1, 2, 3]])[0] == [[1, 2, 0]]
+    assert sampler(logits[:3], _metadata(3, True), [[1, 2]])[0] == [[1, 2, 0]]
+    assert sampler(logits, _metadata(4, True), [[3], [2]])[0] == [[1], [0]]
 
 
 def _chi_square_p_value(observed: Counter, expected: dict[int, float], n: int) -> float:
@@ -110,13 +113,13 @@ def test_rejection_sampling_draws_each_token_from_the_target_distribution():
     draft, as p1, and the one after a full match as p2."""
     logits = torch.tensor([[0.0, 0.3, -0.5, 1.0], [0.2, -1.0, 0.7, 0.1], [1.0, 0.0, -0.3, 0.4]])
     probs = torch.softmax(logits, dim=-1).tolist()
-    sampler = Sampler(torch.device("cpu"), seed=1)
+    sampler = RejectionSampler(Sampler(torch.device("cpu"), seed=1))
     firsts: Counter = Counter()
     seconds: Counter = Counter()
     thirds: Counter = Counter()
     n = 8_000
     for _ in range(n):
-        tokens = sampler.verify(logits, _metadata(3, False), [[1, 2]])[0][0]
+        tokens = sampler(logits, _metadata(3, False), [[1, 2]])[0][0]
         firsts[tokens[0]] += 1
         if tokens[0] == 1:
             seconds[tokens[1]] += 1
@@ -142,13 +145,14 @@ def test_step_cost_model_recovers_a_linear_step_time():
     assert 0 < model.row_cost(4) < model.row_cost(64) < 1
 
 
-@pytest.mark.parametrize("rows_dear", [True, False])
-def test_a_request_whose_drafts_were_rejected_stops_checking_them_where_rows_are_dear(rows_dear):
-    """The scheduler's back-off: where the steps' timings say a row costs most of a step, a request
-    whose drafts were all rejected checks none the next step (until a probe); where nothing was
-    timed (rows free), it keeps checking them."""
-    scheduler = make_scheduler(speculative_config=NGRAM)
-    if rows_dear:
+@pytest.mark.parametrize(("timed", "free_rows"), [(True, False), (False, False), (True, True)])
+def test_a_request_whose_drafts_were_rejected_stops_checking_them_where_rows_are_dear(timed, free_rows):
+    """The draft policy's back-off: where the steps' timings say a row costs most of a step, a
+    request whose drafts were all rejected checks none the next step (until a probe); where nothing
+    was timed, or the scheduler was given a policy whose rows are free, it keeps checking them."""
+    policy = DraftPolicy(SpeculativeConfig(**NGRAM), FreeRows()) if free_rows else None
+    scheduler = make_scheduler(speculative_config=NGRAM, draft_policy=policy)
+    if timed:
         for rows in (1, 16, 1, 16):
             scheduler.record_step_time(rows, 0.001 + 0.01 * rows)
     scheduler.add_request(make_request("r", 6, max_tokens=20))
@@ -159,7 +163,30 @@ def test_a_request_whose_drafts_were_rejected_stops_checking_them_where_rows_are
     runner_output = fake_run(scheduler, output, token=4, num_accepted=0, next_draft=[7, 8, 9])
     scheduler.update_from_output(output, runner_output)
     output = scheduler.schedule()
+    rows_dear = timed and not free_rows
     assert output.scheduled_spec_decode_tokens == ({} if rows_dear else {"r": [7, 8, 9]})
+
+
+def test_the_draft_policy_forgets_a_request_preempted_or_ended():
+    """A preempted request's proposal is dropped (its record kept); an ended one leaves nothing."""
+    scheduler = make_scheduler(speculative_config=NGRAM)
+    policy = scheduler.draft_policy
+    assert policy is not None
+    scheduler.add_request(request := make_request("r", 6, max_tokens=20))
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, fake_run(scheduler, output, token=3, next_draft=[7, 8, 9]))
+    output = scheduler.schedule()
+    runner_output = fake_run(scheduler, output, token=4, num_accepted=1, next_draft=[7, 8, 9])
+    scheduler.update_from_output(output, runner_output)
+    assert policy.drafts_to_check(request, 7, 1) == [7, 8, 9]
+    assert policy.acceptance("r") == pytest.approx(2 / 4)
+    assert (request.num_draft_tokens, request.num_accepted_tokens) == (3, 1)
+    scheduler._preempt(scheduler.running.pop())
+    assert policy.drafts_to_check(request, 7, 1) == []
+    assert policy.acceptance("r") == pytest.approx(2 / 4)
+    scheduler.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    assert policy.acceptance("r") == 1.0  # nothing kept
+    assert not policy._proposals and not policy._recent
 
 
 # ---- the engine with speculation on ------------------------------------------------------------
@@ -272,7 +299,7 @@ def test_aborts_while_checking_drafts_give_every_block_back(spec_llm):
         engine.abort_request(ids[1::2])
     assert not engine.has_unfinished_requests()
     assert engine.get_stats().spec_decode.num_draft_tokens > 0
-    pool = engine.kv_cache_manager.block_pool
+    pool = engine.core.kv_cache_manager.block_pool
     pool.check_integrity()
     assert pool.num_free_blocks == pool.num_blocks
 

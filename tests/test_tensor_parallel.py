@@ -93,12 +93,12 @@ class Run:
 
 def generate(model: str, **engine_args) -> Run:
     llm = LLM(model, **ENGINE_ARGS, **engine_args)
-    tp = llm.llm_engine.worker.tp
+    tp = llm.llm_engine.core.worker.tp
     try:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.llm_engine.get_stats()
         (scored,) = llm.generate(PROMPTS[:1], SCORED, use_tqdm=False)
-        weight_bytes = llm.llm_engine.worker.weights_bytes_by_format()
+        weight_bytes = llm.llm_engine.core.worker.weights_bytes_by_format()
     finally:
         llm.llm_engine.close()
     positions = [p for p in scored.prompt_logprobs or [] if p is not None] + scored.outputs[0].logprobs

@@ -221,7 +221,7 @@ def run_pagedllm(
     try:
         chunks, differ = compare_tokens(engine.tokenizer(text).input_ids, bases)
         n_chunk = chunks.shape[0]
-        model = engine.worker.runner.model
+        model = engine.core.worker.runner.model
         compute_logits, recorded = model.compute_logits, []
 
         def recording(hidden: torch.Tensor) -> torch.Tensor:

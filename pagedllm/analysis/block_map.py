@@ -1,6 +1,6 @@
 """The KV block map of /dashboard: every block's state, and who holds one block.
 
-Both read the block pool and the requests' block tables (LLMEngine.block_tables), which only the
+Both read the block pool and the requests' block tables (EngineCore.block_tables), which only the
 engine thread may touch: the server runs them there through AsyncLLM.call, between two steps, so
 a map is never half of one step and half of the next. One character per block keeps a map of
 100,000 blocks at 100 kB.
@@ -46,7 +46,7 @@ def block_holders(
     """One block and the requests that hold it: each with its caller and the block's index in
     its block table (tokens index * block_size onward), plus all its block ids, so the page can
     outline them. block_tables: (req_id, caller, block ids) per request, as
-    LLMEngine.block_tables gives them. Raises IndexError for a block id out of range."""
+    EngineCore.block_tables gives them. Raises IndexError for a block id out of range."""
     if not 0 <= block_id < pool.num_blocks:
         raise IndexError(f"block {block_id} does not exist: the pool has blocks 0-{pool.num_blocks - 1}")
     block = pool.blocks[block_id]

@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> None:
 
 def _measure(engine: LLMEngine, requests: list[BenchRequest], texts: list[str], score: bool) -> dict:
     """Perplexity (when `score`), then the timed workload after a short warm-up."""
-    figures: dict = {"num_blocks": engine.kv_cache_plan.num_blocks}
+    figures: dict = {"num_blocks": engine.facts.num_kv_blocks}
     if score:
         figures["perplexity"], figures["num_scored_tokens"], figures["all_finite"] = perplexity(engine, texts)
     run_generation(engine, [requests[0].prompt], SamplingParams(temperature=0.0, max_tokens=4))

@@ -82,7 +82,7 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest]) -> EngineResult:
         )
         max_tokens[req_id] = r.max_tokens
     block_size = engine.config.block_size
-    num_blocks = engine.kv_cache_plan.num_blocks
+    num_blocks = engine.facts.num_kv_blocks
     peak_allocated, used_at_peak, ttfts, generated = 0, 0, [], 0
     preemptions_before = engine.get_stats().num_preemptions
     while engine.has_unfinished_requests():

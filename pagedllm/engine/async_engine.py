@@ -1,23 +1,24 @@
-"""AsyncLLM: the server's engine loop, LLMEngine driven by one background thread.
+"""AsyncLLM: the server's front end, an EngineCore driven by one background thread.
 
     event loop (HTTP handlers)                        engine thread
     generate(): InputProcessor.process (vocabulary, lengths, limits), the grammar, then
-            ------- add command (SimpleQueue) ---->   engine.add_processed(EngineRequest): bookkeeping
-               <--- result or ValueError ----------
-    RequestStream <-- one call_soon_threadsafe ----   engine.step() -> outputs of every request
-                      per step
-    stream.close() -- abort command -------------->   engine.abort_request: blocks freed at once
+            ------- add command (SimpleQueue) ---->   EngineCore.add_request(EngineRequest) and
+               <--- result or ValueError ----------   OutputProcessor.add_request: bookkeeping
+    RequestStream <-- one call_soon_threadsafe ----   EngineCore.step() -> OutputProcessor (text,
+                      per step                        stop strings) -> outputs of every request
+    stream.close() -- abort command -------------->   EngineCore.finish_requests: blocks freed at once
 
-Only the engine thread touches LLMEngine (it is not thread-safe); prompts arrive tokenized (the
-server renders and tokenizes them on a thread of its own, AsyncTokenizer), and are checked once,
-by the engine's InputProcessor (which reads only start-up facts) on the event loop, so only
-bookkeeping runs on the engine thread per request.
+Only the engine thread touches the core (it is not thread-safe) and the OutputProcessor; prompts
+arrive tokenized (the server renders and tokenizes them on a thread of its own, AsyncTokenizer),
+and are checked once, by this front end's own InputProcessor (which reads only start-up facts) on
+the event loop, so only bookkeeping runs on the engine thread per request. What the server needs
+to know of the model comes from the core's ModelFacts, fixed once built.
 
 Failures: a request that fails alone (its sampling or detokenization raised) gets
 RequestFailedError on its stream and the others go on. Anything else raised by a step, or a
 tensor-parallel rank that dies (even while idle), leaves the engine's state unknown: the loop
 stops, every stream gets EngineUnavailableError, and the fatal callback tells the server to exit
-non-zero so a supervisor restarts it. The server builds the engine
+non-zero so a supervisor restarts it. The server builds the core
 on that thread as well (`launch`), so every torch op of the process runs on one thread: with
 PyTorch's OpenMP pool, parallel ops run markedly slower on a thread started after another thread
 had made its own pool (docs/benchmarks.md, issue 4). Outputs are cumulative, so a
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -37,10 +39,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm import limits
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore, ModelFacts
 from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.model_source import ModelSource
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request_stream import RequestStream
+from pagedllm.engine.warm_up import warm_up
 from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.outputs import INVALID_REQUEST, RequestOutput
+from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.compile_pool import (
     CompilerUnavailableError,
@@ -49,15 +58,10 @@ from pagedllm.structured_output.compile_pool import (
 )
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import xgrammar
-    from transformers import PreTrainedTokenizerBase
 
-    from pagedllm.config import EngineConfig
     from pagedllm.core.block_pool import BlockPool
     from pagedllm.metrics.divergence import DivergenceGroup
-    from pagedllm.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,65 +86,38 @@ class RequestRejectedError(RequestFailedError):
     """This request failed inside the engine because of what it asked for (the client's fault)."""
 
 
-class RequestStream:
-    """The choices of one API request, as they grow: `async for updates in stream` yields
-    {choice index: latest cumulative RequestOutput} until every choice has finished.
+class AsyncLLM:
+    """The server's front end: an EngineCore driven by one engine thread. `build` (on that thread)
+    or the constructor, then `start()` from the event loop, `shutdown()` at exit.
 
-    Lives on the event loop. `close()` must be called when the handler is done (a finally):
-    it aborts the choices still running, e.g. when the client went away.
+    Owned by the event loop: the InputProcessor (reads start-up facts only), the routes, the
+    grammar pool. Owned by the engine thread: the core, the OutputProcessor, the stats logger.
+    Fixed once built, read by any thread: `config`, `facts`, `source`.
     """
 
-    def __init__(self, owner: AsyncLLM, req_ids: list[str]) -> None:
-        self.req_ids = req_ids
-        self._owner = owner
-        self._latest: dict[int, RequestOutput] = {}
-        self._event = asyncio.Event()
-        self._unfinished = set(range(len(req_ids)))
-        self._error: BaseException | None = None
-
-    def _put(self, index: int, output: RequestOutput) -> None:
-        self._latest[index] = output
-        self._event.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> dict[int, RequestOutput]:
-        while not self._latest:
-            if not self._unfinished:
-                raise StopAsyncIteration
-            if self._error is not None:
-                raise self._error
-            await self._event.wait()
-            self._event.clear()
-        updates, self._latest = self._latest, {}
-        for index, output in updates.items():
-            if output.finished:
-                self._unfinished.discard(index)
-        return updates
-
-    async def collect(self) -> list[RequestOutput]:
-        """Wait for every choice to finish; their final outputs in choice order."""
-        final: dict[int, RequestOutput] = {}
-        async for updates in self:
-            final.update(updates)
-        return [final[i] for i in range(len(self.req_ids))]
-
-    def close(self) -> None:
-        if self._unfinished:
-            self._owner.abort([self.req_ids[i] for i in sorted(self._unfinished)])
-            self._unfinished.clear()
-
-
-class AsyncLLM:
-    """LLMEngine for an asyncio server. `start()` from the event loop, `shutdown()` at exit."""
-
-    def __init__(self, engine: LLMEngine, *, max_queue_len: int | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        core: EngineCore,
+        input_processor: InputProcessor,
+        output_processor: OutputProcessor,
+        *,
+        source: ModelSource | None = None,
+        max_queue_len: int | None = None,
+    ) -> None:
+        """`source`: where the model and its tokenizer came from (the server loads a tokenizer of
+        its own from it); None for a core built some other way."""
+        self.core = core
+        self.config: EngineConfig = core.config
+        """The config in effect, max_model_len resolved."""
+        self.facts: ModelFacts = core.facts
+        self.source = source
+        self.input_processor = input_processor
+        self.output_processor = output_processor
+        self.stats_logger = (
+            None
+            if self.config.disable_log_stats
+            else StatsLogger(self.config.log_stats_interval, self.config.enable_prefix_caching)
+        )
         self.max_queue_len = max_queue_len
         self.is_accepting = True
         self.error: BaseException | None = None
@@ -155,86 +132,71 @@ class AsyncLLM:
         self._is_stopped = False
         self._grammar_pool: GrammarCompilePool | None = None  # at the first structured request
 
+    @classmethod
+    def build(cls, config: EngineConfig, *, max_queue_len: int | None = None) -> AsyncLLM:
+        """Resolve the model, load the tokenizer, start the core, warm the prefix cache up
+        (--prefix-cache-warmup): on the thread that will drive the core (`launch`). A failure
+        after the core started stops its ranks."""
+        source = ModelSource.resolve(config)
+        tokenizer = source.load_tokenizer(config.chat_template)
+        core = EngineCore(config, source, decode=tokenizer.decode)  # type: ignore[arg-type]  # ids -> one str
+        try:
+            async_llm = cls(
+                core,
+                InputProcessor.for_model(core.facts, tokenizer, core.config.max_logprobs),
+                OutputProcessor(tokenizer, speculative=core.config.speculation is not None),
+                source=source,
+                max_queue_len=max_queue_len,
+            )
+            if core.config.prefix_cache_warmup:
+                async_llm._warm_up(core.config.prefix_cache_warmup)
+        except BaseException:
+            core.shutdown()  # ranks 1.. must not wait for a step that never comes
+            raise
+        return async_llm
+
     @property
     def is_healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    # ---- what the server reads ---------------------------------------------------------------
-    # Model facts and the config are fixed once the engine is built: any thread reads them. The
-    # block pool and block tables change with every step: only the engine thread reads them.
-
-    @property
-    def config(self) -> EngineConfig:
-        """The engine's config, max_model_len resolved."""
-        return self.engine.config
-
-    @property
-    def model_name(self) -> str:
-        """The model's display name, e.g. SmolLM2-135M-Instruct."""
-        return self.engine.model_name
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.engine.model_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
-
-    @property
-    def tokenizer_folder(self) -> Path:
-        return self.engine.tokenizer_folder
-
-    def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.engine.load_tokenizer()
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.engine.kv_cache_plan.num_blocks
-
     async def divergence_report(self) -> list[DivergenceGroup] | None:
         """Where prompts stop sharing a prefix (GET /stats); None without the divergence finder.
-        Runs on a worker thread (the finder has its own lock): analysing new prompts holds up
-        neither the event loop nor a step."""
-        divergence = self.engine.divergence
+        Runs on a worker thread (the finder, fixed at the core's construction, has its own
+        lock): analysing new prompts holds up neither the event loop nor a step."""
+        divergence = self.core.divergence
         if divergence is None:
             return None
         return await asyncio.to_thread(divergence.report)
 
     async def read_block_pool(self, fn: Callable[[BlockPool], T]) -> T:
         """`fn(block pool)` on the engine thread, between two steps (the dashboard's block map)."""
-        return await self.call(lambda engine: fn(engine.kv_cache_manager.block_pool))
+        return await self.call(lambda core: fn(core.kv_cache_manager.block_pool))
 
     async def read_block_tables(
         self, fn: Callable[[BlockPool, list[tuple[str, str | None, list[int]]]], T]
     ) -> T:
-        """`fn(block pool, LLMEngine.block_tables())` on the engine thread, between two steps."""
-        return await self.call(lambda engine: fn(engine.kv_cache_manager.block_pool, engine.block_tables()))
+        """`fn(block pool, EngineCore.block_tables())` on the engine thread, between two steps."""
+        return await self.call(lambda core: fn(core.kv_cache_manager.block_pool, core.block_tables()))
 
     @classmethod
-    def launch(cls, make_engine: Callable[[], LLMEngine], **kwargs: Any) -> AsyncLLM:
-        """Build the engine on a new engine thread, which then runs the engine loop; returns once
-        the engine is built (raising what building raised). `start()` still attaches the loop."""
-        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
-        async_llm = cls(None, **kwargs)  # type: ignore[arg-type]  # built below, before any use
+    def launch(cls, make: Callable[[], AsyncLLM]) -> AsyncLLM:
+        """Build the front end and its core (`make`, e.g. `lambda: AsyncLLM.build(config)`) on a
+        new engine thread, which then runs the engine loop; returns once it is built (raising
+        what building raised). `start()` still attaches the loop."""
+        built: concurrent.futures.Future[AsyncLLM] = concurrent.futures.Future()
 
         def build_then_run() -> None:
             try:
-                async_llm.engine = make_engine()
+                async_llm = make()
             except BaseException as error:
                 built.set_exception(error)
                 return
-            built.set_result(async_llm.engine)
+            async_llm._thread = threading.current_thread()
+            built.set_result(async_llm)
             async_llm._run()
 
-        async_llm._thread = threading.Thread(target=build_then_run, name="pagedllm-engine", daemon=True)
-        async_llm._thread.start()
-        built.result()
-        return async_llm
+        threading.Thread(target=build_then_run, name="pagedllm-engine", daemon=True).start()
+        return built.result()
 
     def set_step_callback(self, on_step: StepCallback) -> None:
         """Called on the engine thread after each loop turn; set before serving starts. What it
@@ -283,9 +245,8 @@ class AsyncLLM:
         self._check_available()
         self._check_counts(prompts, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        processor = self._input_processor()
         processed = [
-            processor.process(
+            self.input_processor.process(
                 request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt, user=user
             )
             for prompt in prompts
@@ -307,7 +268,7 @@ class AsyncLLM:
         for index, req_id in enumerate(req_ids):
             self._routes[req_id] = (stream, index)
         try:
-            await self.call(lambda engine: self._add(engine, requests))
+            await self.call(lambda core: self._add(requests))
         except asyncio.CancelledError:
             self.abort(req_ids)  # the add may have gone through before the handler was cancelled
             raise
@@ -317,8 +278,8 @@ class AsyncLLM:
             raise
         return stream
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread (between steps) and return its result."""
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(core)` on the engine thread (between steps) and return its result."""
         self._check_available()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if not self._submit(_Command(fn, future)):
@@ -329,7 +290,7 @@ class AsyncLLM:
         """Drop these requests now; the engine thread frees their blocks before its next step."""
         for req_id in req_ids:
             self._routes.pop(req_id, None)
-        self._submit(_Command(lambda engine: self._pending_outputs.extend(engine.abort_request(req_ids))))
+        self._submit(_Command(lambda core: self._pending_outputs.extend(self._abort_now(req_ids))))
 
     def _submit(self, command: _Command) -> bool:
         """Queue work for the engine thread; False once the thread has stopped and nothing would run it."""
@@ -337,10 +298,6 @@ class AsyncLLM:
             if not self._is_stopped:
                 self._commands.put(command)
             return not self._is_stopped
-
-    def _input_processor(self) -> InputProcessor:
-        """The engine's front door: set at its construction and read-only after, so safe here."""
-        return self.engine.input_processor
 
     def _check_counts(self, prompts: Sequence[PromptType], params: SamplingParams) -> None:
         """The fan-out's size, before any prompt is processed."""
@@ -363,7 +320,7 @@ class AsyncLLM:
         EngineUnavailableError if shutdown cuts it or no compile process can be had (a 503)."""
         if self._grammar_pool is None:
             self._grammar_pool = GrammarCompilePool(
-                self._input_processor().structured_output,
+                self.input_processor.structured_output,
                 num_workers=limits.GRAMMAR_COMPILE_WORKERS,
                 timeout_s=limits.GRAMMAR_COMPILE_TIMEOUT_S,
             )
@@ -407,10 +364,10 @@ class AsyncLLM:
 
     # ---- engine thread -----------------------------------------------------------------------
 
-    def _add(self, engine: LLMEngine, requests: list[EngineRequest]) -> None:
+    def _add(self, requests: list[EngineRequest]) -> None:
         """All or none of a fan-out's requests, already processed: bookkeeping only."""
         if self.max_queue_len is not None:
-            waiting = engine.get_stats().num_waiting_reqs
+            waiting = self.core.get_stats().num_waiting_reqs
             if waiting + len(requests) > self.max_queue_len:
                 raise QueueFullError(
                     f"{waiting} requests are waiting and {len(requests)} more would pass --max-queue-len "
@@ -419,27 +376,69 @@ class AsyncLLM:
         added: list[str] = []
         try:
             for request in requests:
-                added.append(engine.add_processed(request))
+                self._add_one(request)
+                added.append(request.req_id)
         except BaseException:
-            engine.abort_request(added)
+            self._abort_now(added)
             raise
+
+    def _add_one(self, processed: EngineRequest) -> None:
+        """The core's bookkeeping, then this front end's detokenizer for the request."""
+        if self.output_processor.has_request(processed.req_id):
+            raise ValueError(f"request_id: {processed.req_id!r} is already in use")
+        request = self.core.add_request(processed)
+        try:
+            self.output_processor.add_request(request)
+        except BaseException:
+            self.core.finish_requests([request.req_id], RequestStatus.FINISHED_ABORTED)
+            raise
+
+    def _abort_now(self, req_ids: list[str]) -> list[RequestOutput]:
+        self.core.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(req_ids)
+
+    def _step(self) -> list[RequestOutput]:
+        """One core step, its token ids made text; what a stop string or a failed output ended
+        goes back to the core in the same step, so its blocks are free for the next."""
+        processed = self.output_processor.process(self.core.step())
+        self.core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        self.core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
+        if self.stats_logger is not None and self.stats_logger.is_due():
+            self.stats_logger.log(self.core.get_stats())
+        return processed.outputs
+
+    def _warm_up(self, path: str) -> None:
+        """--prefix-cache-warmup, before serving (engine/warm_up.py); `build` calls it."""
+        params = SamplingParams(max_tokens=1)
+        ids = itertools.count()
+
+        def add(prompt_ids: list[int]) -> None:
+            self._add_one(
+                self.input_processor.process(f"warm-up-{next(ids)}", {"prompt_token_ids": prompt_ids}, params)
+            )
+
+        def run_to_end() -> None:
+            while self.core.has_unfinished_requests():
+                self._step()
+
+        warm_up(path, self.input_processor.tokenizer, add, run_to_end)
 
     def _rank_died(self, error: BaseException) -> None:
         """A tensor-parallel rank died (called on the monitor's thread): the engine thread raises
         `error` at its next turn, idle or not, and so stops as after any fatal error."""
 
-        def fail(engine: LLMEngine) -> None:
+        def fail(core: EngineCore) -> None:
             raise error
 
         self._submit(_Command(fail))
 
     def _run(self) -> None:
         try:
-            self.engine.set_failure_callback(self._rank_died)
-            while self._run_commands(block=not self.engine.has_unfinished_requests()):
+            self.core.set_failure_callback(self._rank_died)
+            while self._run_commands(block=not self.core.has_unfinished_requests()):
                 outputs, self._pending_outputs = self._pending_outputs, []
-                if self.engine.has_unfinished_requests():
-                    outputs += self.engine.step()
+                if self.core.has_unfinished_requests():
+                    outputs += self._step()
                 self._report(outputs)  # first: a client that has its answer finds it counted
                 if outputs and self._loop is not None:  # outputs need requests, which need the loop
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
@@ -461,9 +460,9 @@ class AsyncLLM:
                         command.future.set_exception(EngineUnavailableError("the engine has stopped"))
 
     def _close_engine(self) -> None:
-        """A graceful stop: the engine writes what it keeps across restarts (the disk tier)."""
+        """A graceful stop: the core writes what it keeps across restarts (the disk tier)."""
         try:
-            self.engine.close()
+            self.core.close()
         except Exception:
             logger.exception("Closing the engine failed; what it keeps across restarts may be incomplete")
 
@@ -471,7 +470,7 @@ class AsyncLLM:
         if self._on_step is None:
             return
         try:
-            self._on_step(self.engine.get_stats(), outputs)
+            self._on_step(self.core.get_stats(), outputs)
         except Exception:
             logger.exception("Recording this step's statistics failed; serving goes on")
 
@@ -482,7 +481,7 @@ class AsyncLLM:
         except queue.Empty:
             return True
         while command is not None:
-            command.run(self.engine)
+            command.run(self.core)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -494,14 +493,14 @@ class AsyncLLM:
 class _Command:
     """Work for the engine thread; with a future when someone awaits its result."""
 
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[[EngineCore], Any]
     future: concurrent.futures.Future | None = None
 
-    def run(self, engine: LLMEngine) -> None:
+    def run(self, core: EngineCore) -> None:
         if self.future is None:
-            self.fn(engine)
+            self.fn(core)
         elif self.future.set_running_or_notify_cancel():
             try:
-                self.future.set_result(self.fn(engine))
+                self.future.set_result(self.fn(core))
             except Exception as error:
                 self.future.set_exception(error)

@@ -2,12 +2,13 @@
 checked, truncated and tokenized once, before the engine thread sees them (vLLM V1's
 `Processor.process_inputs`).
 
-    prompt, params --InputProcessor.process--> EngineRequest --LLMEngine.add_request--> Request
+    prompt, params --InputProcessor.process--> EngineRequest --EngineCore.add_request--> Request
     (event loop or the offline caller's thread)                 (engine thread: bookkeeping only)
 
 The processor reads only what is fixed at start-up (max_model_len, the vocabulary size,
---max-logprobs, the tokenizer), so any thread may call it: the server calls it on the event loop,
-the offline engine from `add_request`. Its grammar backend is thread-safe and touched by no step.
+--max-logprobs, the tokenizer), so any thread may call it. Each front end owns one: AsyncLLM
+calls its own on the event loop, LLMEngine from `add_request`. Its grammar backend is
+thread-safe and touched by no step.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
 
+    from pagedllm.engine.core import ModelFacts
+
 PromptType = str | list[int] | dict
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """A request the InputProcessor has validated: what `LLMEngine.add_request` trusts as is."""
+    """A request the InputProcessor has validated: what `EngineCore.add_request` trusts as is.
+    It crosses from a front end to the core: plain values, and a compiled grammar."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -44,6 +48,9 @@ class EngineRequest:
     user: str | None = None
     grammar: xgrammar.CompiledGrammar | None = None
     """Compiled from sampling_params.structured_outputs (set when that is, before add_request)."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """Tokens that end the request unless ignore_eos: the model's and its tokenizer's end of
+    sequence, which only the front end knows (the core has no tokenizer)."""
 
 
 class InputProcessor:
@@ -62,8 +69,26 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.tokenizer = tokenizer
-        self.structured_output = StructuredOutputBackend(tokenizer, vocab_size, eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.structured_output = StructuredOutputBackend(tokenizer, vocab_size, self.eos_token_ids)
         """Compiles grammars for this vocabulary (thread-safe; the server's compile pool feeds it)."""
+
+    @classmethod
+    def for_model(
+        cls, facts: ModelFacts, tokenizer: PreTrainedTokenizerBase, max_logprobs: int
+    ) -> InputProcessor:
+        """A front end's own processor: the core's facts, and the front end's tokenizer, whose
+        end-of-sequence id joins the model's (generation_config's, e.g. Llama 3's <|eot_id|>)."""
+        eos = [*facts.model_config.eos_token_ids]
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        return cls(
+            max_model_len=facts.max_model_len,
+            vocab_size=facts.vocab_size,
+            max_logprobs=max_logprobs,
+            tokenizer=tokenizer,
+            eos_token_ids=eos,
+        )
 
     def process(
         self,
@@ -101,6 +126,7 @@ class InputProcessor:
             prompt=prompt_text,
             cache_salt=cache_salt,
             user=user,
+            eos_token_ids=self.eos_token_ids,
         )
 
     def compile_grammar(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:

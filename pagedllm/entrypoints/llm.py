@@ -59,7 +59,7 @@ class LLM:
         # here, at interpreter exit, the modules it needs may already be gone).
         if not getattr(self, "_is_shut_down", True):
             self._is_shut_down = True
-            self.llm_engine.executor.shutdown()
+            self.llm_engine.core.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -57,13 +57,13 @@ def run_cache(config: EngineConfig, texts: list[str], prompts: list[str], max_to
         for step in o.outputs[0].logprobs or []
         for lp in step.values()
     )
-    plan = engine.kv_cache_plan
+    plan = engine.facts.kv_cache_plan
     return CacheRun(
         kv_cache_dtype=plan.spec.cache_dtype,
         num_blocks=plan.num_blocks,
         bytes_per_token=plan.spec.bytes_per_token,
         bfloat16_blocks=KVCacheSpec.for_model(
-            engine.model_config, plan.spec.block_size, "bfloat16"
+            engine.facts.model_config, plan.spec.block_size, "bfloat16"
         ).num_blocks_for(plan.budget_bytes),
         perplexity=ppl,
         num_scored_tokens=num_scored,

@@ -21,9 +21,8 @@ from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_ar
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation, tokens_until_divergence
 from pagedllm.logger import configure_logging
-from pagedllm.model.checkpoint_quant import METHODS as CHECKPOINT_METHODS
-from pagedllm.model.checkpoint_quant import read_checkpoint_quantization
 from pagedllm.model.loader import locate_model
+from pagedllm.quantization.registry import CHECKPOINT_METHODS, read_checkpoint_quantization
 from pagedllm.sampling_params import SamplingParams
 
 _EVAL_MAX_MODEL_LEN = 2048
@@ -51,7 +50,7 @@ def run_weights(
         ppl, num_scored, finite = perplexity(engine, texts)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outputs = run_generation(engine, prompts, params)
-        by_format = engine.worker.weights_bytes_by_format()
+        by_format = engine.core.worker.weights_bytes_by_format()
         return WeightsRun(
             quantization=label,
             weights_bytes=sum(by_format.values()),

@@ -2,7 +2,7 @@
 
     request arrives       backend.compile(params)        InputProcessor, off the engine thread (the server:
                                                          compile_pool's processes); compiled grammars cached
-    LLMEngine.add_request RequestGrammar(compiled)       a matcher: this request's place in its grammar
+    EngineCore.add_request RequestGrammar(compiled)      a matcher: this request's place in its grammar
     Scheduler.schedule    fill_bitmask(requests)         which tokens each constrained row may take next
                                                          (and after each draft token: speculative decoding)
     ModelRunner           apply_bitmask(logits)          the rest get -inf, before penalties and sampling

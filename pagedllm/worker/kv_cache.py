@@ -148,6 +148,30 @@ class KVCachePlan:
     def allocated_bytes(self) -> int:
         return self.num_blocks * self.spec.bytes_per_block
 
+    def describe(self, tp_size: int = 1, on_cuda: bool = False) -> list[str]:
+        """The start-up report's KV cache lines, in the words vLLM users grep for ("KV cache
+        size", "Maximum concurrency"); with tensor parallelism, this rank's share and the total."""
+        per_rank = " per rank" if tp_size > 1 else ""
+        scales = self.spec.scale_bytes_per_token
+        lines = [
+            f"Available KV cache memory: {self.budget_bytes / 2**30:.2f} GiB{per_rank}",
+            f"KV cache: {self.num_blocks:,} blocks of {self.spec.block_size} tokens, "
+            f"{self.spec.bytes_per_token:,} bytes per token ({self.spec.cache_dtype}"
+            f"{f', {scales:,} of them scales' if scales else ''})",
+            f"{'GPU ' if on_cuda else ''}KV cache size: {self.num_tokens:,} tokens",
+        ]
+        if tp_size > 1:  # every rank holds num_kv_heads / tp_size of the model's heads
+            lines.append(
+                f"KV cache per rank: {self.num_tokens:,} tokens ({self.num_blocks:,} blocks, "
+                f"{self.allocated_bytes / 2**30:.2f} GiB, {self.spec.num_kv_heads} of "
+                f"{self.spec.num_kv_heads * tp_size} KV heads); total over {tp_size} ranks: "
+                f"{self.allocated_bytes * tp_size / 2**30:.2f} GiB"
+            )
+        lines.append(
+            f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"
+        )
+        return lines
+
 
 def plan_kv_cache(
     spec: KVCacheSpec, budget_bytes: int, max_model_len: int, num_blocks_override: int | None = None

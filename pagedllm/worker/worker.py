@@ -121,6 +121,26 @@ class Worker:
                     add(fmt, param.numel() * param.element_size())
         return by_format
 
+    def describe_weights(self, model_name: str, load_seconds: float) -> str:
+        """The start-up report's first line: what the weights take, by format, on which device.
+        The formats' sizes add up to the total: a tied head's packed copy is in both."""
+        assert self.model is not None
+        by_format = sorted(self.weights_bytes_by_format().items(), key=lambda item: -item[1])
+        copy_bytes = self.packed_copy_bytes
+        tp_size = self.tp.world_size if self.tp is not None else 1
+        formats = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in by_format if size)
+        return (
+            f"Model {model_name} loaded in {load_seconds:.1f} s: weights take "
+            f"{(self.weights_bytes + copy_bytes) / 2**30:.2f} GiB"
+            f"{f' on rank 0 of {tp_size}' if tp_size > 1 else ''} "
+            f"({formats}; activations {str(self.dtype).split('.')[-1]}) on {self.device.type}"
+            + (
+                f", the tied lm_head's packed copy ({copy_bytes / 2**30:.2f} GiB) included"
+                if copy_bytes
+                else ""
+            )
+        )
+
     def load_model(self, max_position: int) -> None:
         if self.cpu_threads is not None:
             keep_freed_memory()

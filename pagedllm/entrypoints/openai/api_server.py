@@ -3,7 +3,7 @@
 (server_config.py); the app and its routes are app.py's.
 
     uvicorn event loop: FastAPI routes -> serving_*.py -> AsyncLLM.generate -> RequestStream
-    engine thread:      builds LLMEngine, then drives LLMEngine.step(); PrometheusMetrics and
+    engine thread:      builds the EngineCore (AsyncLLM.build), then drives its step(); PrometheusMetrics and
                         LiveStats record after each turn (all torch work stays on this one thread)
 
 Start-up: bind the port (fail fast), load the engine (it logs the KV cache report), then log the URL,
@@ -37,7 +37,6 @@ import uvicorn
 from pagedllm.config import engine_config_from_args
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.server_config import (
     check_server_args,
@@ -171,7 +170,7 @@ def _scheduler_settings(engine: AsyncLLM) -> str:
     prefix_caching = "on" if config.enable_prefix_caching else "off"
     return (
         f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
-        f"max_model_len {engine.max_model_len}, prefix caching {prefix_caching}"
+        f"max_model_len {engine.facts.max_model_len}, prefix caching {prefix_caching}"
     )
 
 
@@ -190,7 +189,7 @@ def run_server(args: argparse.Namespace) -> None:
             "--kv-cache-memory-bytes (default 4GiB)"
         )
     try:
-        engine = AsyncLLM.launch(lambda: LLMEngine(config), max_queue_len=server_config.max_queue_len)
+        engine = AsyncLLM.launch(lambda: AsyncLLM.build(config, max_queue_len=server_config.max_queue_len))
     except (ValueError, OSError, NotImplementedError) as error:  # ModelLoadError: a damaged file
         raise SystemExit(f"error: {error}") from None
     except KeyboardInterrupt:
@@ -203,30 +202,31 @@ def run_server(args: argparse.Namespace) -> None:
         sig: signal.signal(sig, lambda received, _frame: early_signals.append(received))
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
+    assert engine.source is not None  # AsyncLLM.build resolved it
     tokenizer = AsyncTokenizer(
-        engine.load_tokenizer(),
+        engine.source.load_tokenizer(config.chat_template),
         template_time_budget=server_config.chat_template_time_budget,
     )
     models = ServedModels(
-        server_config.served_model_name or [engine.model_name],
-        root=config.model or engine.model_name,
-        max_model_len=engine.max_model_len,
+        server_config.served_model_name or [engine.facts.model_name],
+        root=config.model or engine.facts.model_name,
+        max_model_len=engine.facts.max_model_len,
     )
     spec = engine.config.speculation
     metrics = PrometheusMetrics(
         models.names[0],
         prefix=server_config.metrics_prefix,
-        max_model_len=engine.max_model_len,
+        max_model_len=engine.facts.max_model_len,
         cache_config={
             "block_size": str(engine.config.block_size),
             "cache_dtype": engine.config.kv_cache_dtype,
             "enable_prefix_caching": str(engine.config.enable_prefix_caching),
-            "num_gpu_blocks": str(engine.num_kv_blocks),
+            "num_gpu_blocks": str(engine.facts.num_kv_blocks),
         },
         caller_labels=caller_labels_on(server_config.metrics_caller_label, server_config.api_key),
         num_speculative_tokens=None if spec is None else spec.num_speculative_tokens,
     )
-    live_stats = LiveStats(models.names[0], engine.num_kv_blocks, engine.config.block_size)
+    live_stats = LiveStats(models.names[0], engine.facts.num_kv_blocks, engine.config.block_size)
 
     def on_step(stats: SchedulerStats, outputs: list[RequestOutput]) -> None:
         metrics.record(stats, outputs)

@@ -64,7 +64,7 @@ def build_app(
         tool_call_parser=server.tool_parser,
         truncate_history=server.truncate_chat_history,
     )
-    tokenization = ServingTokenization(models, tokenizer, chat, engine.vocab_size)
+    tokenization = ServingTokenization(models, tokenizer, chat, engine.facts.vocab_size)
     app.include_router(routes_v1.make_router(models, completions, chat, metrics))
     app.include_router(routes_tokenize.make_router(tokenization))
     app.include_router(
