@@ -46,5 +46,14 @@ $BIN/pagedllm bench soak --workload "$W/mixed.jsonl" --minutes "${SOAK_MINUTES:-
   --server-args "--max-num-seqs 16" --server-log "$OUT/soak_server.log" --output-json "$OUT/soak.json" \
   | tee "$OUT/soak.txt"
 
+# Issue 45: template bombs, grammar starvation and damaged model files beside their baselines;
+# the same soak with client templates trusted (the bombs render).
+$BIN/python benchmarks/hostile_inputs.py --served --output-json "$OUT/hostile_inputs.json" \
+  | tee "$OUT/hostile_inputs.txt"
+$BIN/python benchmarks/keepalive_latency.py | tee "$OUT/keepalive_latency.txt"
+$BIN/pagedllm bench soak --workload "$W/mixed.jsonl" --minutes "${SOAK_MINUTES:-30}" --concurrency 16 \
+  --server-args "--max-num-seqs 16 --trust-request-chat-template" --output-json "$OUT/soak_hostile.json" \
+  | tee "$OUT/soak_hostile.txt"
+
 # Issue 11: pagedllm beside vLLM's CPU build, same host, same run (sets vLLM up in ../peers/vllm-venv).
 $BIN/python benchmarks/vllm_compare/run.py --out "$OUT/vllm_compare" | tee "$OUT/vllm_compare.txt"
