@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pagedllm import limits
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore, ModelFacts
+from pagedllm.engine.front_step import abort_outputs, step_outputs
 from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
 from pagedllm.engine.model_source import ModelSource
 from pagedllm.engine.output_processor import OutputProcessor
@@ -394,18 +395,12 @@ class AsyncLLM:
             raise
 
     def _abort_now(self, req_ids: list[str]) -> list[RequestOutput]:
-        self.core.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.abort(req_ids)
+        return abort_outputs(self.core, self.output_processor, req_ids)
 
     def _step(self) -> list[RequestOutput]:
         """One core step, its token ids made text; what a stop string or a failed output ended
         goes back to the core in the same step, so its blocks are free for the next."""
-        processed = self.output_processor.process(self.core.step())
-        self.core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
-        self.core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
-        if self.stats_logger is not None and self.stats_logger.is_due():
-            self.stats_logger.log(self.core.get_stats())
-        return processed.outputs
+        return step_outputs(self.core, self.output_processor, self.stats_logger)
 
     def _warm_up(self, path: str) -> None:
         """--prefix-cache-warmup, before serving (engine/warm_up.py); `build` calls it."""

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.front_step import abort_outputs, step_outputs
 from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
 from pagedllm.engine.model_source import ModelSource
 from pagedllm.engine.output_processor import OutputProcessor
@@ -113,9 +114,7 @@ class LLMEngine:
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """End requests now, wherever they are; their blocks go back to the pool at once."""
-        ids = list(request_ids)
-        self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.abort(ids)
+        return abort_outputs(self.core, self.output_processor, list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -129,12 +128,7 @@ class LLMEngine:
         """One step of every running request. A request whose own part fails (its sampling, its
         detokenization) ends with finish_reason "error" and the others go on; anything else raised
         here leaves the engine's state unknown, and the caller must stop using it."""
-        processed = self.output_processor.process(self.core.step())
-        self.core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
-        self.core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
-        if self.stats_logger is not None and self.stats_logger.is_due():
-            self.stats_logger.log(self.core.get_stats())
-        return processed.outputs
+        return step_outputs(self.core, self.output_processor, self.stats_logger)
 
     def warm_up(self, path: str) -> None:
         """--prefix-cache-warmup: the workload file's prompts into the prefix cache (engine/warm_up.py)."""
