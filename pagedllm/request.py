@@ -105,6 +105,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def take_new_prompt_logprobs(self, entries: list | None) -> list:
+        """The entries of a step's prompt logprobs not reported before (a preempted request scores
+        its prompt again). Called before the step's tokens count as computed."""
+        if not entries:
+            return []
+        new = entries[max(0, self.num_prompt_logprobs - self.num_computed_tokens) :]
+        self.num_prompt_logprobs += len(new)
+        return new
+
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

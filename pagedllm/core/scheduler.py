@@ -28,6 +28,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.draft_policy import DraftPolicy
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.stop_check import check_stop
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from pagedllm.request import Request, RequestStatus
@@ -288,7 +289,7 @@ class Scheduler:
                 outputs.append(self._fail(request, error, now))
                 any_finished = True
                 continue
-            prompt_logprobs = self._new_prompt_logprobs(request, runner_output)
+            prompt_logprobs = request.take_new_prompt_logprobs(runner_output.prompt_logprobs.get(req_id))
             token_ids = runner_output.sampled_token_ids.get(req_id)
             draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             # the K/V of rejected draft tokens is not kept: the count stops after the accepted ones
@@ -312,7 +313,7 @@ class Scheduler:
                     grammar_error = DEAD_END if dead_end else f"token {token_id} does not follow the grammar"
                     break
                 output.new_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
+                status = check_stop(request, token_id, self.max_model_len)
                 if status is not None:
                     break
             logprobs = runner_output.logprobs.get(req_id)
@@ -344,32 +345,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ERROR
         self._free_request(request, now)
         return EngineCoreOutput(request.req_id, [], finish_reason=request.status.finish_reason, error=error)
-
-    @staticmethod
-    def _new_prompt_logprobs(request: Request, runner_output: ModelRunnerOutput) -> list:
-        """Prompt logprobs not reported before (a preempted request scores its prompt again).
-        Called before the step's tokens count as computed."""
-        entries = runner_output.prompt_logprobs.get(request.req_id)
-        if not entries:
-            return []
-        skip = max(0, request.num_prompt_logprobs - request.num_computed_tokens)
-        new = entries[skip:]
-        request.num_prompt_logprobs += len(new)
-        return new
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token_id in params.stop_token_ids:  # a list after __post_init__
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.is_terminated:
-            return RequestStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def _free_request(self, request: Request, now: float | None = None) -> None:
         self.kv_cache_manager.free(request)
