@@ -2,9 +2,11 @@
 //
 // Every query token of a step, of every request, attends the keys of its own request up to its
 // own position, all of them read from the cache where they lie (a step writes its K/V first):
-// no gather, no padding, no mask. A task is one KV head and a tile of up to 16 consecutive
-// tokens of one request; all the tile's queries (tokens x the query heads sharing the KV head)
-// share each key and value row as it is loaded. Scores go 8 keys at a time (8 independent
+// no gather, no padding, no mask. A task is one KV head and either a tile of up to 16 consecutive
+// tokens of one prefill or the decodes of requests that share their first block; all the task's
+// queries (tokens x the query heads sharing the KV head) share each key and value row as it is
+// loaded, so a cached prefix is read once per task. The entry point validates the inputs, plans
+// the tasks, and dispatches on the cache's row format (validate, plan, dispatch below). Scores go 8 keys at a time (8 independent
 // multiply-add chains), softmax is vectorized, and values are summed 8 floats at a time with one
 // accumulator per query kept in registers.
 //
@@ -507,64 +509,83 @@ void attend(const Attend<Row>& attend, const std::vector<Part>& parts, const std
 // BFloat16PairRow where this build has AVX512-BF16 (elsewhere pair_rows is false and this unused).
 using PairRowWhereBuilt = std::conditional_t<kHasAvx512Bf16, BFloat16PairRow, UnscaledRow<c10::BFloat16>>;
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, bool prefetch_to_l2, int64_t window) {
+// The step's shapes, once its inputs are checked.
+struct Shapes {
+  int64_t num_tokens, num_heads, head_dim, num_kv_heads, block_size, num_seqs;
+};
+
+// Validate: dtypes, shapes, and that every row the kernel will read lies inside the cache (lengths
+// within the table, block ids within the cache, each sequence's query tokens within the query and
+// within its own length). The tensors are contiguous (the caller's copies).
+Shapes validate(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                const at::Tensor& starts, const at::Tensor& lens, int64_t window) {
   const auto query_type = query.scalar_type();
   TORCH_CHECK((query_type == at::kFloat || query_type == at::kBFloat16 || query_type == at::kHalf) && query.dim() == 3,
               "query: [num_tokens, num_heads, head_dim] float32, bfloat16 or float16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache: contiguous [num_blocks, block_size, num_kv_heads, row], same shape");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  query_start_loc.scalar_type() == at::kLong,
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && starts.scalar_type() == at::kLong,
               "block_tables, query_start_loc and seq_lens: int64");
   TORCH_CHECK(window >= 0, "window: 0 (none) or the keys a query attends");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.scalar_type() == k_cache.scalar_type(),
               "k_cache and v_cache: [num_blocks, block_size, num_kv_heads, row] of one dtype");
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(num_kv_heads > 0 && head_dim % kLanes == 0 && num_heads % num_kv_heads == 0,
+  const Shapes shapes{query.size(0), query.size(1), query.size(2), k_cache.size(2), k_cache.size(1), lens.numel()};
+  TORCH_CHECK(shapes.num_kv_heads > 0 && shapes.head_dim % kLanes == 0 && shapes.num_heads % shapes.num_kv_heads == 0,
               "head_dim % 8 and num_heads % num_kv_heads");
   const auto cache_type = k_cache.scalar_type();
   const bool quantized = cache_type != at::kFloat && cache_type != at::kBFloat16 && cache_type != at::kHalf;
-  TORCH_CHECK(k_cache.size(3) == head_dim + (quantized ? 2 : 0),
+  TORCH_CHECK(k_cache.size(3) == shapes.head_dim + (quantized ? 2 : 0),
               "k_cache rows: head_dim values, plus 2 scale bytes when 8-bit");
-  const at::Tensor q = query.contiguous(), tables = block_tables.contiguous();
-  const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
-  const int64_t num_seqs = lens.numel();
+  const int64_t num_seqs = shapes.num_seqs;
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && starts.numel() == num_seqs + 1,
               "block_tables: [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]");
-  // Every row read must lie inside the cache: lengths within the table, block ids within the
-  // cache, each sequence's query tokens within the query and its own length.
-  const int64_t max_len = tables.size(1) * block_size, num_blocks = k_cache.size(0);
+  const int64_t max_len = tables.size(1) * shapes.block_size, num_blocks = k_cache.size(0);
   const int64_t* lens_data = lens.data_ptr<int64_t>();
   const int64_t* starts_data = starts.data_ptr<int64_t>();
   const int64_t* tables_data = tables.data_ptr<int64_t>();
-  TORCH_CHECK(starts_data[0] == 0 && starts_data[num_seqs] == num_tokens, "query_start_loc must run 0 .. num_tokens");
-  std::vector<Part> parts;
-  std::vector<int64_t> task_starts{0}, decodes;
+  TORCH_CHECK(starts_data[0] == 0 && starts_data[num_seqs] == shapes.num_tokens,
+              "query_start_loc must run 0 .. num_tokens");
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t first = starts_data[s], rows = starts_data[s + 1] - first, len = lens_data[s];
+    const int64_t rows = starts_data[s + 1] - starts_data[s], len = lens_data[s];
     TORCH_CHECK(rows >= 1 && rows <= len, "sequence ", s, ": ", rows, " query tokens for ", len, " keys");
     TORCH_CHECK(len <= max_len, "seq_lens[", s, "] = ", len, " is past the block table's ", max_len, " slots");
-    for (int64_t b = 0; b * block_size < len; ++b) {
+    for (int64_t b = 0; b * shapes.block_size < len; ++b) {
       const int64_t block_id = tables_data[s * tables.size(1) + b];
       TORCH_CHECK(block_id >= 0 && block_id < num_blocks, "block_tables[", s, "][", b, "] = ", block_id,
                   " is not a block of the cache");
     }
+  }
+  return shapes;
+}
+
+// The step's parts and its tasks ([first, last) ranges of parts), for attend().
+struct Plan {
+  std::vector<Part> parts;
+  std::vector<int64_t> task_starts{0};
+};
+
+// Plan: a prefill is cut into tiles of kTileRows consecutive tokens, a task each. Decodes that
+// share their first block (a cached prefix) go side by side; a task takes such requests up to a
+// size that leaves about 4 tasks per thread (each task reads a shared prefix once); a request that
+// shares nothing is a task of its own.
+Plan plan(const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& lens) {
+  const int64_t num_seqs = lens.numel(), table_stride = tables.size(1);
+  const int64_t* lens_data = lens.data_ptr<int64_t>();
+  const int64_t* starts_data = starts.data_ptr<int64_t>();
+  const int64_t* tables_data = tables.data_ptr<int64_t>();
+  Plan plan;
+  std::vector<int64_t> decodes;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first = starts_data[s], rows = starts_data[s + 1] - first, len = lens_data[s];
     if (rows == 1) {
       decodes.push_back(s);
       continue;
     }
-    for (int64_t r = 0; r < rows; r += kTileRows) {  // a prefill: tiles of consecutive tokens
-      parts.push_back({s, first + r, std::min(kTileRows, rows - r), len - rows + r + 1});
-      task_starts.push_back(static_cast<int64_t>(parts.size()));
+    for (int64_t r = 0; r < rows; r += kTileRows) {
+      plan.parts.push_back({s, first + r, std::min(kTileRows, rows - r), len - rows + r + 1});
+      plan.task_starts.push_back(static_cast<int64_t>(plan.parts.size()));
     }
   }
-  // Decodes: requests that share their first block (a cached prefix) side by side; a task takes
-  // requests that share it, up to a size that leaves about 4 tasks per thread (each task reads a
-  // shared prefix once); a request that shares nothing is a task of its own.
-  const int64_t table_stride = tables.size(1);
   std::stable_sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) {
     return tables_data[a * table_stride] < tables_data[b * table_stride];
   });
@@ -574,15 +595,27 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
     const int64_t seq = decodes[i];
     const bool shares = i > 0 && tables_data[seq * table_stride] == tables_data[decodes[i - 1] * table_stride];
     if (i > 0 && (!shares || in_chunk == max_chunk)) {
-      task_starts.push_back(static_cast<int64_t>(parts.size()));
+      plan.task_starts.push_back(static_cast<int64_t>(plan.parts.size()));
       in_chunk = 0;
     }
-    parts.push_back({seq, starts_data[seq], 1, lens_data[seq]});
+    plan.parts.push_back({seq, starts_data[seq], 1, lens_data[seq]});
     ++in_chunk;
   }
-  if (num_decodes) task_starts.push_back(static_cast<int64_t>(parts.size()));
-  at::Tensor out = at::empty_like(q);
-  const bool pair_rows = kHasAvx512Bf16 && query_type == at::kBFloat16 && head_dim % 64 == 0 && block_size % 2 == 0;
+  if (num_decodes) plan.task_starts.push_back(static_cast<int64_t>(plan.parts.size()));
+  return plan;
+}
+
+// BFloat16PairRow where this build has AVX512-BF16 (elsewhere pair_rows is false and this unused).
+using PairRowWhereBuilt = std::conditional_t<kHasAvx512Bf16, BFloat16PairRow, UnscaledRow<c10::BFloat16>>;
+
+// Dispatch: the row format of the cache (and, for bfloat16 on AVX512-BF16, the paired rows) picks
+// the instantiation of attend() that runs the plan.
+void dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+              const Shapes& shapes, const Plan& plan, double scale, bool prefetch_to_l2, int64_t window,
+              at::Tensor& out) {
+  const auto query_type = q.scalar_type();
+  const bool pair_rows = kHasAvx512Bf16 && query_type == at::kBFloat16 && shapes.head_dim % 64 == 0 &&
+                         shapes.block_size % 2 == 0;
   const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
   auto run = [&](auto row_kind) {
     using Row = decltype(row_kind);
@@ -590,19 +623,20 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
                                    query_type,
                                    static_cast<const uint8_t*>(k_cache.data_ptr()),
                                    static_cast<const uint8_t*>(v_cache.data_ptr()),
-                                   tables_data,
+                                   tables.data_ptr<int64_t>(),
                                    out.data_ptr(),
-                                   num_heads,
-                                   num_kv_heads,
-                                   head_dim,
-                                   block_size,
+                                   shapes.num_heads,
+                                   shapes.num_kv_heads,
+                                   shapes.head_dim,
+                                   shapes.block_size,
                                    row_bytes,
                                    tables.size(1),
                                    static_cast<float>(scale),
                                    prefetch_to_l2,
                                    window};
-    attend<Row>(attend_tasks, parts, task_starts);
+    attend<Row>(attend_tasks, plan.parts, plan.task_starts);
   };
+  const auto cache_type = k_cache.scalar_type();
   switch (cache_type) {
     case at::kFloat: run(FloatRow{}); break;
     case at::kBFloat16:
@@ -615,6 +649,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
     case at::kFloat8_e5m2: run(Float8Row<c10::Float8_e5m2>{}); break;
     default: TORCH_CHECK(false, "paged_attention: no kernel for a ", cache_type, " cache");
   }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, bool prefetch_to_l2, int64_t window) {
+  const at::Tensor q = query.contiguous(), tables = block_tables.contiguous();
+  const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
+  const Shapes shapes = validate(q, k_cache, v_cache, tables, starts, lens, window);
+  at::Tensor out = at::empty_like(q);
+  dispatch(q, k_cache, v_cache, tables, shapes, plan(tables, starts, lens), scale, prefetch_to_l2, window, out);
   return out;
 }
 
