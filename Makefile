@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: the local CPU wheel; nothing after it may pull another torch
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
-	# Chromium for tests/test_dashboard_browser.py (Debian's, driven by Playwright): best effort, the
+	# Chromium for tests/entrypoints/test_dashboard_browser.py (Debian's, driven by Playwright): best effort, the
 	# test skips without it
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

@@ -1,4 +1,4 @@
-"""The API server with faults injected, for tests/test_server_hardening.py:
+"""The API server with faults injected, for tests/entrypoints/test_server_hardening.py:
 `python -m tests.fault_server ARGS` (the api_server's own flags).
 
     a request with seed 13013   its sampling raises

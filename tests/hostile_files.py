@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (the case tables: one case a line reads better than one wrapped over five)
 """A corpus of damaged and hostile model files: GGUFs and Hugging Face folders, each one small valid
 model with one thing wrong (truncated, a count of 2^62, a tensor over another, a config of 2e8
-layers...). tests/test_hostile_files.py loads each and expects one ModelLoadError line.
+layers...). tests/model/test_hostile_files.py loads each and expects one ModelLoadError line.
 
 GGUFs are laid out here byte by byte (build_gguf) rather than by the `gguf` package's writer,
 which refuses to write most of these; the base model is a 2-layer Llama of hidden size 64.

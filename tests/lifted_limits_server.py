@@ -1,4 +1,4 @@
-"""The API server with the schema depth limit lifted, for tests/test_grammar_limits.py:
+"""The API server with the schema depth limit lifted, for tests/structured_output/test_grammar_limits.py:
 `python -m tests.lifted_limits_server ARGS` (the api_server's own flags). A schema nesting
 hundreds of objects then reaches the compile processes and compiles for many seconds, as it did
 before the limit: what the pool's timeout, kill and shutdown must bound. The compile timeout

@@ -1,5 +1,5 @@
-"""A grammar compile process for tests/test_compile_pool.py: `python -m tests.slow_compile_worker`
-runs compile_worker, except for regexes that start with a marker:
+"""A grammar compile process for tests/structured_output/test_compile_pool.py:
+`python -m tests.slow_compile_worker` runs compile_worker, except for regexes that start with a marker:
 
 - `slow`: compiles after sleeping $PAGEDLLM_TEST_SLOW_COMPILE_S (a legal grammar that holds its
   process for as long as a test needs, on a busy host as on a quiet one);

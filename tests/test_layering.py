@@ -99,3 +99,15 @@ def test_the_module_map_names_every_package_and_only_files_that_exist():
     named = set(re.findall(r"\b\w+\.(?:py|cpp|h)\b", module_map)) - {"llama.cpp"}  # the project
     stale = sorted(named - files)
     assert not stale, f"files docs/architecture.md's module map names that are not in pagedllm/: {stale}"
+
+
+def test_tests_mirror_the_packages():
+    """A test folder under tests/ is named for a pagedllm package; test files at the top are for
+    top-level modules and the package as a whole (CONTRIBUTING.md, "Where things go")."""
+    tests = Path(__file__).resolve().parent
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    folders = {path.parent.name for path in tests.glob("*/test_*.py")}
+    assert folders <= packages, f"test folders named for no pagedllm package: {sorted(folders - packages)}"
+    top = {path.stem.removeprefix("test_") for path in tests.glob("test_*.py")}
+    by_package = sorted(name for name in top if name.split("_")[0] in packages)
+    assert not by_package, f"move these into their package's test folder: {by_package}"

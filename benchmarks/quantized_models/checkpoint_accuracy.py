@@ -5,7 +5,7 @@ agreement against the same folder dequantized).
 
     .venv/bin/python benchmarks/quantized_models/checkpoint_accuracy.py --out DIR [--dtype float32]
 
-The folders are written by the test suite's packers (tests/test_checkpoint_quant.py): AWQ with
+The folders are written by the test suite's packers (tests/quantization/test_checkpoint_quant.py): AWQ with
 zero points and GPTQ symmetric, 4 bits in groups of 64 (the model's 576 inputs are not whole
 groups of 128), and W8A8 (int8 per channel) twice: as llm-compressor writes it, activations
 quantized per token (the kernel's per-token mode, as vLLM computes it), and with its

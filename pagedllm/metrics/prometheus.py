@@ -18,7 +18,7 @@ asks for it (caller_labels_on).
 The registry also holds prometheus_client's process_* and python_* collectors; metrics/http.py
 adds http_*. vLLM families with no meaning here (speculative decoding, LoRA, KV connectors and
 offloading, multi-modal caches, sleep mode) are left out rather than exported as zeros;
-tests/test_metrics_parity.py lists them with reasons.
+tests/metrics/test_metrics_parity.py lists them with reasons.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ no batch dimension. Only attention needs to know where one request ends and the 
 and it learns that from AttentionMetadata. Numerics follow Hugging Face's implementation
 step by step (RMSNorm in float32, rotate-half RoPE) so float32 outputs match it: bit for bit in
 PyTorch ops; on CPU, where the C++ passes and kernels sum in their own order, within a few float32
-roundings, and greedy tokens the same (tests/test_correctness_hf.py). How each layer computes is
+roundings, and greedy tokens the same (tests/model/test_correctness_hf.py). How each layer computes is
 the layers' business (pagedllm/layers/), chosen once by `choose_impls`.
 
 Tensor parallelism (`tp`: this rank's group, None for one rank): each rank owns num_heads / tp

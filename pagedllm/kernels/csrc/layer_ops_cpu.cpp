@@ -10,7 +10,7 @@
 // h = float(x), h * rsqrt(mean(h^2) + eps) rounded to the model dtype, times the weight, rounded.
 // Only the order in which the squares are summed differs (8 partial sums), a float32 rounding:
 // hidden by the last rounding to a 16-bit dtype most of the time, a few float32 roundings in a
-// float32 model (greedy tokens still Hugging Face's: tests/test_correctness_hf.py).
+// float32 model (greedy tokens still Hugging Face's: tests/model/test_correctness_hf.py).
 //
 // x, residual: [num_tokens, hidden] (residual None: the first norm); weight: [hidden].
 // Returns (normed, x + residual) in x's dtype.
