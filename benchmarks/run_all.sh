@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce every figure in docs/benchmarks.md, one benchmark after the other on a quiet
+# Reproduce every figure in docs/benchmarks/, one benchmark after the other on a quiet
 # machine (each compares against its baseline inside the same run). Results: $OUT (results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -127,6 +127,7 @@ def grounded_requests(num_requests: int = NUM_REQUESTS) -> list[ChatRequest]:
         for i, (_, body) in enumerate(sections)
         if 800 <= len(body) <= MAX_DOCUMENT_CHARS
     ]
+    # docs/benchmarks.md as it stood at SOURCE_COMMIT (its figures are now in docs/benchmarks/).
     tables = [
         (title, block)
         for title, body in markdown_sections(git_file("docs/benchmarks.md"))

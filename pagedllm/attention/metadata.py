@@ -101,7 +101,7 @@ def build_torch_metadata(layout: StepLayout, device: torch.device, dtype: torch.
 # Decodes are grouped by context length so one long request does not make every short one
 # pay its padding: a group ends where the next context is over twice the group's shortest,
 # so padding never doubles the keys a group reads (a few such groups beat one padded call:
-# docs/benchmarks.md, "Figures behind choices in the code").
+# docs/benchmarks/kernels_and_dispatch.md, "Figures behind choices in the code").
 def _group_by_length(req_indices: list[int], seq_lens: list[int]) -> list[list[int]]:
     groups: list[list[int]] = []
     for i in sorted(req_indices, key=seq_lens.__getitem__):

@@ -176,8 +176,8 @@ def rank_threads(num_cores: int, local_rank: int, local_world_size: int) -> int:
     """This rank's share of its host's cores, as a thread count (as even as the count allows).
 
     Ranks are not pinned to their cores: a pinned rank's gloo threads wait for the one core its
-    rank keeps busy, which made an all-reduce much slower (docs/benchmarks.md,
-    "Figures behind choices in the code").
+    rank keeps busy, which made an all-reduce much slower
+    (docs/benchmarks/kernels_and_dispatch.md, "Figures behind choices in the code").
     """
     per_rank, extra = divmod(num_cores, local_world_size)
     return max(1, per_rank + (local_rank < extra))

@@ -2,7 +2,8 @@
 
 Why: a gloo all-reduce hands the tensor to gloo's threads and sleeps until the peer's bytes
 arrive over TCP; a forward pass has two all-reduces per layer, and on a small CPU host they took
-most of a decode step (docs/benchmarks.md, "Figures behind choices in the code"). Here each rank
+most of a decode step (docs/benchmarks/kernels_and_dispatch.md, "Figures behind choices in the
+code"). Here each rank
 copies its partial sums into its slot of a shared buffer, publishes a sequence number, and spins
 (yielding the core) until every rank has published; then every rank adds the slots in rank order,
 so all ranks hold bit-identical sums. vLLM's CPU backend does the same in C++.

@@ -3,8 +3,8 @@
 nn.Module.__call__ runs Python of its own before each forward (hook and tracing checks), and a
 decoder layer makes a dozen such calls per step. Right after a decode step's weights have
 streamed through the caches, that Python runs from memory and costs several times its warm
-cost (docs/benchmarks.md, "A decode step's Python from cold caches"). Our models register no
-hooks, so their modules skip it. Hooks registered on these modules would not run:
+cost (docs/benchmarks/vs_llama_cpp.md, "A decode step's Python from cold caches"). Our models
+register no hooks, so their modules skip it. Hooks registered on these modules would not run:
 register_forward_hook and register_forward_pre_hook refuse them.
 """
 

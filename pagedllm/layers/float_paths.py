@@ -7,7 +7,8 @@
   few-row products go as W @ Xᵀ, which MKL streams from memory better than X @ Wᵀ; from about a
   hundred rows on the usual orientation is as fast or faster.
 
-The timings behind the choice on one host: docs/benchmarks.md, "Measured dispatch (issue 25)".
+The timings behind the choice on one host: docs/benchmarks/kernels_and_dispatch.md, "Measured
+dispatch (issue 25)".
 """
 
 from __future__ import annotations

@@ -78,13 +78,15 @@ QUANT_STREAMS = {"software prefetch": cpu_ops.QUANT_STREAM_AHEAD, "hardware pref
 QUANT_STREAM_SHAPE = (4096, 2048)
 """Timed for quant_stream_ahead: 4.5 MiB at 4 bits, a 1B model's attention projections' size,
 where how a stream starts matters most; its fused gate/up (18 MiB) told the two ways apart by
-less than a decode step does, and not every time (docs/benchmarks.md)."""
+less than a decode step does, and not every time (docs/benchmarks/kernels_and_dispatch.md, "The
+weights' stream")."""
 STREAM_PASSES = 10
 """Passes over a path's copies for quant_stream_ahead."""
 STREAM_MARGIN = 0.10
 """How much faster the hardware's prefetch alone must time to be chosen. A loop of products on a
 busy host puts the two ways within a few percent of each other, either way round, where a decode
-step ran ~1.3x faster with ours (docs/benchmarks.md): a near tie goes to our prefetch."""
+step ran ~1.3x faster with ours (docs/benchmarks/kernels_and_dispatch.md): a near tie goes to our
+prefetch."""
 
 LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Seconds = dict[str, list[float]]
@@ -169,8 +171,8 @@ def time_streams(weight: torch.Tensor, paths: Mapping[str, LinearPath], rows: Se
     STREAM_PASSES passes, each path's pass running its copies one after another (a decode step's
     weights follow one another), the paths' passes alternating. The least single product
     (time_paths) is a lottery between two ways this close on a busy host: it once chose the way
-    a decode step ran slower (docs/benchmarks.md). Always settled: a median needs no rounds to
-    settle, so it is cached."""
+    a decode step ran slower (docs/benchmarks/kernels_and_dispatch.md). Always settled: a median
+    needs no rounds to settle, so it is cached."""
     n, k = weight.shape
     gen = torch.Generator().manual_seed(0)
     copies = _packed_copies(torch.randn(n, k, generator=gen) * 0.05, paths)

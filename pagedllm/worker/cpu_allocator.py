@@ -3,7 +3,8 @@
 Every step allocates large temporaries (gathered K/V, activations of a prefill chunk).
 glibc serves allocations over its mmap threshold with fresh mmap()s and returns them on
 free, so each step pays page faults to zero the same megabytes again, a large share of a batched
-decode-attention layer's time (docs/benchmarks.md, "Figures behind choices in the code").
+decode-attention layer's time (docs/benchmarks/kernels_and_dispatch.md, "Figures behind choices in
+the code").
 vLLM's CPU backend gets the same effect by preloading tcmalloc.
 """
 

@@ -5,7 +5,7 @@ per core that is fastest on a quiet machine; but when another process takes one 
 every operation waits for the thread that lost its core, a thousand times a step: there fewer
 threads win, on a quiet machine more do. Spinning less (GOMP_SPINCOUNT) or sleeping at once
 (OMP_WAIT_POLICY=passive) helps a loaded machine but costs a quiet one (figures:
-docs/benchmarks.md, "Threads on a shared machine").
+docs/benchmarks/vs_vllm.md, "Threads on a shared machine").
 
 So by default the thread count follows the machine: all the cores this process may use while
 they are free, one fewer for each core other processes keep busy (measured every 2 s from

@@ -119,7 +119,8 @@ def _fresh_pages(num_bytes: int) -> torch.Tensor:
     (and took the memory of blocks no request may ever reach). Asked for on 2 MiB pages where the
     kernel gives them (transparent huge pages, `madvise` or `always`): a request's blocks lie
     anywhere in the cache, and on 4 KiB pages attention's row reads wait on address translation
-    (docs/benchmarks.md). Memory is then taken 2 MiB at a time as blocks are written."""
+    (docs/benchmarks/vs_llama_cpp.md, "The KV cache on 2 MiB pages"). Memory is then taken 2 MiB
+    at a time as blocks are written."""
     pages = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         pages.madvise(mmap.MADV_HUGEPAGE)

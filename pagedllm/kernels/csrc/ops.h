@@ -1,7 +1,8 @@
 // The kernels' entry points that a decode step calls many times over, for python_bindings.cpp:
 // called through pybind11, a call costs less than through torch.ops' dispatcher, and a decode step
-// makes a dozen such calls a layer (docs/benchmarks.md). Each is the function its file
-// registers with torch.ops (same arguments, same checks); the files say what they compute.
+// makes a dozen such calls a layer (docs/benchmarks/vs_llama_cpp.md, "A decode step beyond its
+// weights"). Each is the function its file registers with torch.ops (same arguments, same checks);
+// the files say what they compute.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -10,7 +10,8 @@
 
 namespace pagedllm_cpu {
 
-// The activations one row block holds, as the kernel reads them (docs/benchmarks.md).
+// The activations one row block holds, as the kernel reads them
+// (docs/benchmarks/vs_llama_cpp.md, "A prompt's rows in blocks").
 constexpr int64_t kRowBlockBytes = 2 << 20;
 
 // How many blocks `row_tiles` tiles of `tile_bytes` activation bytes each go in, over `groups`
