@@ -21,7 +21,7 @@ stops, every stream gets EngineUnavailableError, and the fatal callback tells th
 non-zero so a supervisor restarts it. The server builds the core
 on that thread as well (`launch`), so every torch op of the process runs on one thread: with
 PyTorch's OpenMP pool, parallel ops run markedly slower on a thread started after another thread
-had made its own pool (docs/benchmarks.md, issue 4). Outputs are cumulative, so a
+had made its own pool (docs/benchmarks/throughput.md, issue 4). Outputs are cumulative, so a
 stream keeps only the latest output per choice: a slow client skips steps instead of queueing them.
 """
 
@@ -40,9 +40,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm import limits
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core import EngineCore, ModelFacts
+from pagedllm.engine.core import EngineCore
 from pagedllm.engine.front_step import abort_outputs, step_outputs
-from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.messages import EngineRequest, ModelFacts
 from pagedllm.engine.model_source import ModelSource
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_stream import RequestStream
@@ -264,7 +265,7 @@ class AsyncLLM:
             for j, child in enumerate(children)
         ]
         req_ids = [request.req_id for request in requests]
-        stream = RequestStream(self, req_ids)
+        stream = RequestStream(self.abort, req_ids)
         # Routes exist before the add is sent, so the first outputs always find their stream.
         for index, req_id in enumerate(req_ids):
             self._routes[req_id] = (stream, index)

@@ -24,19 +24,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.disk_index import DiskIndex
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.input_processor import EngineRequest
+from pagedllm.engine.messages import EngineRequest, ModelFacts
 from pagedllm.engine.model_source import ModelSource
 from pagedllm.executor import Executor, WorkerDiedError, make_executor
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
-from pagedllm.model.config import ModelConfig
 from pagedllm.request import Request, RequestStatus
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.backend import RequestGrammar
@@ -44,34 +42,6 @@ from pagedllm.worker.kv_cache import KVCachePlan
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a front end needs to know of the model and its cache, fixed once the core has
-    started: the core returns it once (`EngineCore.facts`), and a front end reads nothing else
-    of the core's at start-up."""
-
-    model_name: str
-    """The display name, e.g. SmolLM2-135M-Instruct."""
-    model_config: ModelConfig
-    max_model_len: int
-    """Resolved: --max-model-len, or the model's own."""
-    dtype: str
-    """The activations' dtype, e.g. bfloat16."""
-    device: str
-    """cpu or cuda."""
-    tp_size: int
-    kv_cache_plan: KVCachePlan
-    """Rank 0's: with tensor parallelism, every rank holds the same blocks of its heads."""
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.vocab_size
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.kv_cache_plan.num_blocks
 
 
 class EngineCore:

@@ -13,12 +13,12 @@ thread-safe and touched by no step.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm import limits
+from pagedllm.engine.messages import EngineRequest, ModelFacts
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.backend import StructuredOutputBackend
 
@@ -26,31 +26,8 @@ if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
 
-    from pagedllm.engine.core import ModelFacts
 
 PromptType = str | list[int] | dict
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineRequest:
-    """A request the InputProcessor has validated: what `EngineCore.add_request` trusts as is.
-    It crosses from a front end to the core: plain values, and a compiled grammar."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    """Tokenized and truncated; every id within the vocabulary, fewer than max_model_len of them."""
-    sampling_params: SamplingParams
-    max_tokens: int
-    """Resolved: sampling_params.max_tokens, or what max_model_len leaves after the prompt."""
-    arrival_time: float
-    prompt: str | None = None
-    cache_salt: str | None = None
-    user: str | None = None
-    grammar: xgrammar.CompiledGrammar | None = None
-    """Compiled from sampling_params.structured_outputs (set when that is, before add_request)."""
-    eos_token_ids: frozenset[int] = frozenset()
-    """Tokens that end the request unless ignore_eos: the model's and its tokenizer's end of
-    sequence, which only the front end knows (the core has no tokenizer)."""
 
 
 class InputProcessor:

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.front_step import abort_outputs, step_outputs
-from pagedllm.engine.input_processor import EngineRequest, InputProcessor, PromptType
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.messages import EngineRequest
 from pagedllm.engine.model_source import ModelSource
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.warm_up import warm_up

@@ -6,12 +6,9 @@ the latest cumulative output per choice, so a slow client skips steps instead of
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from pagedllm.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from pagedllm.engine.async_engine import AsyncLLM
 
 
 class RequestStream:
@@ -22,9 +19,10 @@ class RequestStream:
     it aborts the choices still running, e.g. when the client went away.
     """
 
-    def __init__(self, owner: AsyncLLM, req_ids: list[str]) -> None:
+    def __init__(self, abort: Callable[[list[str]], None], req_ids: list[str]) -> None:
+        """abort: AsyncLLM.abort, which `close()` calls with the choices still running."""
         self.req_ids = req_ids
-        self._owner = owner
+        self._abort = abort
         self._latest: dict[int, RequestOutput] = {}
         self._event = asyncio.Event()
         self._unfinished = set(range(len(req_ids)))
@@ -64,5 +62,5 @@ class RequestStream:
 
     def close(self) -> None:
         if self._unfinished:
-            self._owner.abort([self.req_ids[i] for i in sorted(self._unfinished)])
+            self._abort([self.req_ids[i] for i in sorted(self._unfinished)])
             self._unfinished.clear()

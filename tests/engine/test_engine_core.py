@@ -10,7 +10,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.input_processor import EngineRequest
+from pagedllm.engine.messages import EngineRequest
 from pagedllm.engine.model_source import ModelSource
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM, EngineUnavailableError, QueueFullError, RequestFailedError
-from pagedllm.engine.input_processor import EngineRequest
+from pagedllm.engine.messages import EngineRequest
 from pagedllm.engine.output_processor import ProcessedOutputs
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
