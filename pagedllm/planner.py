@@ -25,6 +25,7 @@ from pagedllm.model.checkpoint_quant import CheckpointQuantization
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import gguf_hf_config
 from pagedllm.model.loader import locate_model, resolve_dtype
+from pagedllm.quantization.registry import QUANTIZATION_METHODS
 from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
 
 WHAT_IF_MAX_MODEL_LENS = (1024, 2048, 4096)  # and the model's own maximum
@@ -91,16 +92,6 @@ _NUMBER_FLAGS = {
 }
 
 
-_RESIDENT_BITS = {  # a GGUF block format -> bits per weight as the integer kernel holds it
-    "Q4_0": packed_bits_per_weight(4, has_mins=False),
-    "Q4_1": packed_bits_per_weight(4, has_mins=True),
-    "Q4_K": packed_bits_per_weight(4, has_mins=True),
-    "Q5_K": packed_bits_per_weight(8, has_mins=True),
-    "Q8_0": packed_bits_per_weight(8, has_mins=False),
-}
-_WIDENED_BITS = packed_bits_per_weight(8, has_mins=False)  # other block formats, widened to 8 bits
-
-
 def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
     """Resident weight bytes by format for a GGUF served with its own blocks, from the tensor
     directory alone (the file is memory-mapped, no weight is read): quantized matrices as the
@@ -109,6 +100,7 @@ def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
     import gguf
 
     from pagedllm.model.gguf_file import read_tensor_directory
+    from pagedllm.model.gguf_weights import held_form
 
     tensors = read_tensor_directory(path)
     names = {tensor.name for tensor in tensors}
@@ -123,8 +115,8 @@ def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
             if tensor.name != "rope_freqs.weight":
                 add(dtype, count * _DTYPE_BYTES[dtype])
             continue
-        resident = kind if kind in _RESIDENT_BITS else f"{kind} as 8-bit"
-        packed = _RESIDENT_BITS.get(kind, _WIDENED_BITS) * count / 8
+        resident, bits, has_mins = held_form(tensor.tensor_type)
+        packed = packed_bits_per_weight(bits, has_mins) * count / 8
         if tensor.name == "token_embd.weight":
             block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
             add(resident, count // block_size * type_size)
@@ -144,15 +136,13 @@ def weights_by_format(
 ) -> dict[str, int]:
     """Resident weight bytes by format for a safetensors checkpoint: all in `dtype`; or every
     projection but the LM head packed for the integer kernel, quantized at load (--quantization
-    int8/int4) or as the checkpoint stores them (AWQ, GPTQ, compressed-tensors: its first
+    int8/int4) or as the checkpoint holds them (AWQ, GPTQ, compressed-tensors, FP8: its first
     scheme's bits, unless --quantization none)."""
     total = model_config.num_parameters(tp_size)
     projections = model_config.projection_parameters(tp_size)
-    if quantization in ("int8", "int4"):
+    bits = QUANTIZATION_METHODS[quantization].bits_at_load() if quantization else None
+    if quantization and bits is not None:
         name = quantization
-        bits: float | None = packed_bits_per_weight(
-            8 if quantization == "int8" else 4, has_mins=quantization == "int4"
-        )
     elif checkpoint is not None and quantization != "none":
         scheme = checkpoint.groups[0][1]
         name, bits = checkpoint.format(scheme), scheme.packed_bits

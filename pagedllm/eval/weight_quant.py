@@ -22,7 +22,11 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation, tokens_until_divergence
 from pagedllm.logger import configure_logging
 from pagedllm.model.loader import locate_model
-from pagedllm.quantization.registry import CHECKPOINT_METHODS, read_checkpoint_quantization
+from pagedllm.quantization.registry import (
+    LOAD_TIME_METHODS,
+    QUANTIZATION_METHODS,
+    read_checkpoint_quantization,
+)
 from pagedllm.sampling_params import SamplingParams
 
 _EVAL_MAX_MODEL_LEN = 2048
@@ -90,7 +94,7 @@ def formats_to_check(config: EngineConfig, asked: list[str] | None) -> list[str]
     if path.suffix == ".gguf":
         return ["gguf"]
     checkpoint = read_checkpoint_quantization(path)
-    return [checkpoint.method] if checkpoint else ["int8", "int4"]
+    return [checkpoint.method] if checkpoint else list(LOAD_TIME_METHODS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--formats",
         nargs="+",
-        choices=["gguf", *CHECKPOINT_METHODS, "int8", "int4"],
+        choices=[name for name in QUANTIZATION_METHODS if name != "none"],
         default=None,
         help="the formats to check (default: a GGUF's or a quantized checkpoint's own; int8 and int4 "
         "for a float checkpoint)",

@@ -17,14 +17,10 @@ import gguf
 from pagedllm.model.config_checks import MODEL_BOUNDS, check_config_fields, is_number, show
 from pagedllm.model.errors import ModelLoadError
 from pagedllm.model.gguf_file import GGUFContents
+from pagedllm.model.registry import MODELS
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-}
-"""general.architecture -> config.json's architecture."""
+ARCHITECTURES = {entry.gguf_architecture: name for name, entry in MODELS.items() if entry.gguf_architecture}
+"""general.architecture -> config.json's architecture (model/registry.py's rows)."""
 FIELD_KEYS = {
     "num_hidden_layers": "block_count",
     "hidden_size": "embedding_length",

@@ -67,20 +67,30 @@ def read_tensor(tensor: Any) -> Weight:
     raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1))
     release = (tensor.release,) if hasattr(tensor, "release") else ()
     reader = _READERS.get(qtype)
+    name, bits, _ = held_form(qtype)
     if reader is not None:
-        bits = 8 if qtype in (kind.Q8_0, kind.Q5_K) else 4
         return BlockQuantized.from_encoded(
             EncodedRows(raw, qtype.name, lambda raw: reader(raw.numpy(), raw.shape[0], columns), release),
             columns,
             bits,
-            qtype.name,
+            name,
         )
     return BlockQuantized.from_encoded(
         EncodedRows(raw, qtype.name, lambda raw: _widened(raw, qtype, columns), release),
         columns,
-        8,
-        f"{qtype.name} as 8-bit",
+        bits,
+        name,
     )
+
+
+def held_form(qtype: gguf.GGMLQuantizationType) -> tuple[str, int, bool]:
+    """How a quantized matrix of this format is held once read: the name of its form (the format's,
+    or "<format> as 8-bit" where it is widened), the bits of its codes, and whether its blocks keep
+    mins apart from the codes (Q4_0's -8 x scale folds into them; pagedllm/planner.py sizes by this)."""
+    bits_and_mins = _HELD_BITS.get(qtype)
+    if bits_and_mins is None:
+        return f"{qtype.name} as 8-bit", 8, False
+    return qtype.name, *bits_and_mins
 
 
 def _widened(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, columns: int) -> BlockQuantized:
@@ -177,6 +187,13 @@ def _q5_k(blocks: np.ndarray, rows: int, columns: int) -> BlockQuantized:
     return _block_quantized(low | (fifth << 4), scales, mins, 8, "Q5_K", rows, columns)
 
 
+_HELD_BITS = {  # the formats read without loss: their codes' bits as held, and whether mins are kept
+    gguf.GGMLQuantizationType.Q8_0: (8, False),
+    gguf.GGMLQuantizationType.Q4_0: (4, False),
+    gguf.GGMLQuantizationType.Q4_1: (4, True),
+    gguf.GGMLQuantizationType.Q4_K: (4, True),
+    gguf.GGMLQuantizationType.Q5_K: (8, True),
+}
 _READERS = {
     gguf.GGMLQuantizationType.Q8_0: _q8_0,
     gguf.GGMLQuantizationType.Q4_0: _q4_0,

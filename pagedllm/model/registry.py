@@ -25,14 +25,17 @@ class ModelEntry:
     class_name: str
     model_type: str
     """config.json's model_type for it."""
+    gguf_architecture: str | None = None
+    """A GGUF's general.architecture read as this architecture (None: none is; a Mistral GGUF says
+    llama)."""
 
 
 MODELS: dict[str, ModelEntry] = {
-    "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "llama"),
+    "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "llama", "llama"),
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "mistral"),
-    "Qwen2ForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "qwen2"),
-    "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM", "qwen3"),
-    "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", "gemma3"),
+    "Qwen2ForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "qwen2", "qwen2"),
+    "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3"),
+    "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", "gemma3", "gemma3"),
 }
 """config.json's architecture -> its model. Every model is the Llama layout or a subclass of it."""
 

@@ -48,6 +48,12 @@ class QuantizationMethod(ABC):
     def after_load(cls, model: nn.Module, dtype: torch.dtype) -> None:
         """--quantization <name> on the loaded model (nothing for a family the files hold)."""
 
+    @classmethod
+    def bits_at_load(cls) -> float | None:
+        """Bits per weight a projection packs into when this method quantizes a float checkpoint
+        at load (codes, scales, mins), for the planner; None for a method that does not."""
+        return None
+
     def location(self, folder: Path) -> Path:
         """What messages name as the model: its folder, or the file the folder was converted from."""
         return folder

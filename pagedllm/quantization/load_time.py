@@ -9,7 +9,7 @@ from torch import nn
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.lm_head import ParallelLMHead
-from pagedllm.layers.quantization import quantize
+from pagedllm.layers.quantization import packed_bits_per_weight, quantize
 from pagedllm.quantization.base import QuantizationMethod
 
 
@@ -26,6 +26,10 @@ class QuantizedAtLoad(QuantizationMethod):
                 f"--quantization {cls.name} quantizes a float checkpoint; this {own.held_as} is quantized "
                 "already (leave --quantization out to keep its formats, or give none to dequantize it)"
             )
+
+    @classmethod
+    def bits_at_load(cls) -> float:
+        return packed_bits_per_weight(cls.bits, has_mins=cls.bits == 4)  # quantize(): 4 bits keep mins
 
     @classmethod
     def after_load(cls, model: nn.Module, dtype: torch.dtype) -> None:

@@ -35,6 +35,9 @@ CHECKPOINT_METHODS = tuple(
 )
 """quantization_config's quant_method values read: vLLM's --quantization names."""
 
+LOAD_TIME_METHODS = tuple(name for name, method in QUANTIZATION_METHODS.items() if method.bits_at_load())
+"""--quantization values that quantize a float checkpoint at load."""
+
 
 def model_quantization(folder: Path) -> QuantizationMethod | None:
     """The method the model in `folder` holds its weights in, read (None: float weights).
