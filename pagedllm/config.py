@@ -20,7 +20,7 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
-Quantization = Literal["gguf", "awq", "gptq", "compressed-tensors", "int8", "int4", "none"]
+Quantization = Literal["gguf", "awq", "gptq", "compressed-tensors", "fp8", "int8", "int4", "none"]
 Device = Literal["auto", "cpu", "cuda"]
 SchedulingPolicy = Literal["fcfs", "lpm"]
 HashAlgo = Literal["sha256", "xxhash"]
@@ -114,9 +114,10 @@ class EngineConfig:
         metadata=_flag(
             "How weights are held. Left out: as the checkpoint stores them (a GGUF's quantized blocks, "
             "an AWQ, GPTQ or compressed-tensors checkpoint's integer weights, kept and computed by the "
-            "integer kernels; gguf, awq, gptq, compressed-tensors say the same). int8 / int4: a float "
-            "checkpoint quantized at load, per block of 32 inputs (8 bits symmetric, 4 bits with a "
-            "min), every projection but the LM head. none: every weight dequantized to --dtype."
+            "integer kernels, an FP8 checkpoint's read into 8-bit blocks of 32 for them; gguf, awq, "
+            "gptq, compressed-tensors, fp8 say the same). int8 / int4: a float checkpoint quantized at "
+            "load, per block of 32 inputs (8 bits symmetric, 4 bits with a min), every projection but "
+            "the LM head. none: every weight dequantized to --dtype."
         ),
     )
     device: Device = field(default="auto", metadata=_flag("auto: cuda when available, else cpu."))

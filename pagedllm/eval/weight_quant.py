@@ -3,8 +3,8 @@ dequantized, before a user goes live with them.
 
 The reference is the model with every weight dequantized to --dtype (`--quantization none`): for a
 GGUF or a quantized checkpoint the file's own values, exactly. Against it, each format: a GGUF's
-own blocks or an AWQ / GPTQ / compressed-tensors checkpoint as served (the default for those), a
-float checkpoint quantized at load with int8 and int4. Each runs the fixed texts and
+own blocks or an AWQ / GPTQ / compressed-tensors / FP8 checkpoint as served (the default for
+those), a float checkpoint quantized at load with int8 and int4. Each runs the fixed texts and
 prompts of eval/data/ (the same as `eval kv-quant`): perplexity teacher-forced through the paged
 path, greedy agreement over N tokens, the weights' resident bytes. One table, one row per format.
 """

@@ -45,7 +45,8 @@ class Scheme:
 
     layout: str
     """awq, gptq (zeros stored minus one), gptq_v2, ct-packed (int32 words along inputs, codes
-    offset by half their range) or ct-int (one int8 per code)."""
+    offset by half their range) or ct-int (one int8 per code); fp8, whose tensors
+    quantization/fp8.py reads (its scheme says how they are held: 8-bit blocks of 32)."""
     bits: int
     group_size: int
     """Inputs per scale; -1: the whole row."""

@@ -35,6 +35,7 @@ from pagedllm.quantization.base import (
     safetensors_files,
 )
 from pagedllm.quantization.gguf import GGUF
+from pagedllm.quantization.load_time import Dequantized
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ def load_model(
     registry.check_quantization(quantization, own.name if own else None)
     where = own.location(folder) if own else folder
     files = own.files(folder) if own else safetensors_files(folder)
-    weights = own.weights(files, config) if own else iter_safetensors(files)
+    dequantize = quantization == Dequantized.name
+    weights = own.weights(files, config, dequantize) if own else iter_safetensors(files)
     size = sum(file.stat().st_size for file in files)
     logger.info(
         "Loading weights from %s (%d file%s, %.2f GiB) as %s on %s%s",

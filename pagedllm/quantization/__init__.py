@@ -5,7 +5,7 @@
   delegates to it. It sits in the layers' layer of tests/test_layering.py.
 - base.py: QuantizationMethod, what a format family answers: is a model in it, may a
   --quantization flag apply to it, how its weights read, what runs after loading.
-- one module per family (gguf.py, awq.py, gptq.py, compressed_tensors.py, load_time.py), each
+- one module per family (gguf.py, awq.py, gptq.py, compressed_tensors.py, fp8.py, load_time.py), each
   registered by one row of registry.py's QUANTIZATION_METHODS. These read files, so they sit with
   model/ (they read through model/gguf_weights.py and model/checkpoint_quant.py).
 """

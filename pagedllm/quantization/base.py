@@ -62,8 +62,12 @@ class QuantizationMethod(ABC):
         """The files the weights are read from."""
         return safetensors_files(folder)
 
-    def weights(self, files: list[Path], config: ModelConfig) -> Iterable[tuple[str, Loaded]]:
-        """(Hugging Face name, weight) for every tensor, quantized ones in the block form."""
+    def weights(
+        self, files: list[Path], config: ModelConfig, dequantize: bool = False
+    ) -> Iterable[tuple[str, Loaded]]:
+        """(Hugging Face name, weight) for every tensor, quantized ones in the block form.
+        `dequantize` (--quantization none): a family whose files hold finer values than the block
+        form it reads them into (fp8) hands those values as float instead."""
         return iter_safetensors(files)
 
 
@@ -95,7 +99,9 @@ class HeldByCheckpoint(QuantizationMethod):
             )
             raise ValueError(f"--quantization {cls.name}: the model's weights are {held}")
 
-    def weights(self, files: list[Path], config: ModelConfig) -> Iterable[tuple[str, Loaded]]:
+    def weights(
+        self, files: list[Path], config: ModelConfig, dequantize: bool = False
+    ) -> Iterable[tuple[str, Loaded]]:
         return iter_checkpoint_weights(iter_safetensors(files), self.checkpoint)
 
 

@@ -37,7 +37,9 @@ class GGUF(QuantizationMethod):
     def files(self, folder: Path) -> list[Path]:
         return [self.source]
 
-    def weights(self, files: list[Path], config: ModelConfig) -> Iterable[tuple[str, Loaded]]:
+    def weights(
+        self, files: list[Path], config: ModelConfig, dequantize: bool = False
+    ) -> Iterable[tuple[str, Loaded]]:
         from pagedllm.model.gguf_weights import iter_gguf_weights  # the gguf package, only for a GGUF
 
         return iter_gguf_weights(self.source, config)

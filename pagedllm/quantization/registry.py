@@ -15,6 +15,7 @@ from pagedllm.model.checkpoint_quant import CheckpointQuantization
 from pagedllm.quantization.awq import AWQ
 from pagedllm.quantization.base import HeldByCheckpoint, QuantizationMethod, quant_method
 from pagedllm.quantization.compressed_tensors import CompressedTensors
+from pagedllm.quantization.fp8 import FP8
 from pagedllm.quantization.gguf import GGUF
 from pagedllm.quantization.gptq import GPTQ
 from pagedllm.quantization.load_time import Dequantized, Int4, Int8
@@ -24,6 +25,7 @@ QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {
     "awq": AWQ,
     "gptq": GPTQ,
     "compressed-tensors": CompressedTensors,
+    "fp8": FP8,
     "int8": Int8,
     "int4": Int4,
     "none": Dequantized,

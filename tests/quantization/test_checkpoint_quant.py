@@ -320,7 +320,7 @@ def test_quantization_flag_names_the_checkpoints_own_method():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
         ({"quant_method": "gptq", "bits": 3}, "4 or 8 bits"),
         (
