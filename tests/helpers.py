@@ -37,6 +37,9 @@ API_KEY = "test-key"
 
 # Small enough to keep the suite fast, large enough for every test prompt.
 TEST_ENGINE_ARGS = {
+    # a fixed thread count, not the adaptive one: two engines that must agree bit for bit split
+    # their work alike whatever else loads the host (tests/worker/test_cpu_threads.py tests the rule)
+    "num_threads": len(os.sched_getaffinity(0)),
     "dtype": "float32",
     "quantization": "none",  # the default GGUF dequantized: float32 tokens equal transformers'
     "max_model_len": 1024,
@@ -56,6 +59,8 @@ def server_engine_args() -> list[str]:
         str(TEST_ENGINE_ARGS["max_model_len"]),
         "--kv-cache-memory-bytes",
         TEST_ENGINE_ARGS["kv_cache_memory_bytes"],
+        "--num-threads",
+        str(TEST_ENGINE_ARGS["num_threads"]),
         "--disable-log-stats",
     ]
 
