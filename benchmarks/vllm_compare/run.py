@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/vllm_compare/run.py            # 3 workloads x 8 and 32 in flight
     .venv/bin/python benchmarks/vllm_compare/run.py --quick    # mixed at 8 in flight only
+    .venv/bin/python benchmarks/vllm_compare/run.py --workload mixed --concurrency 1 4 8 16 32  # a curve
 
 Each server starts with --max-num-seqs C (C = requests in flight), the same dtype, block size 32,
 prefix caching on and 4 GiB of KV cache, and gets the same `pagedllm bench serve` command: every
@@ -313,6 +314,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="mixed at 8 in flight only (a smoke test)")
     parser.add_argument("--num-requests", type=int, help="first N requests of each workload (smoke tests)")
+    workloads = ["mixed", "shared_prefix", "decode_heavy"]
+    parser.add_argument("--workload", nargs="+", default=workloads, help="names in --workloads")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[8, 32], help="in flight, a start each")
     parser.add_argument("--vllm-venv", default=str(REPO.parent / "peers/vllm-venv"), help="made if missing")
     parser.add_argument("--workloads", default=str(REPO.parent / "shared/workloads"))
     parser.add_argument("--out", default=str(REPO / "results/vllm_compare"), help="logs, JSON, model folder")
@@ -340,8 +344,8 @@ def main() -> None:
         "dtype_reason": why,
         "git": git.stdout.strip(),
         "model": MODEL_NAME,
-        "workloads": ["mixed"] if args.quick else ["mixed", "shared_prefix", "decode_heavy"],
-        "concurrencies": [8] if args.quick else [8, 32],
+        "workloads": ["mixed"] if args.quick else args.workload,
+        "concurrencies": [8] if args.quick else args.concurrency,
     }
     print(
         f"CPU {host['cpu']}, {host['cores']} cores, flags {host['flags']}; dtype {dtype} ({why})", flush=True
