@@ -111,7 +111,7 @@ def gguf_weights_by_format(path: Path, dtype: str) -> dict[str, int]:
 
     for tensor in tensors:
         kind, count = tensor.tensor_type.name, int(np.prod(tensor.shape))
-        if kind in ("F32", "F16", "BF16") or len(tensor.shape) != 2:
+        if kind in ("F32", "F16", "BF16") or len(tensor.shape) not in (2, 3):  # 3: a layer's experts
             if tensor.name != "rope_freqs.weight":
                 add(dtype, count * _DTYPE_BYTES[dtype])
             continue
@@ -202,6 +202,12 @@ class CapacityPlan:
         return self.model_config.num_parameters(self.tensor_parallel_size)
 
     @property
+    def active_parameters(self) -> int:
+        """One rank's parameters a token's forward pass uses (a mixture of experts': its routed
+        experts only; a dense model's: all)."""
+        return self.model_config.active_parameters(self.tensor_parallel_size)
+
+    @property
     def weights_bytes(self) -> int:
         return sum(self.weights_by_format.values())
 
@@ -226,6 +232,7 @@ class CapacityPlan:
             "max_position_embeddings": config.max_position_embeddings,
             "dtype": self.dtype,
             "num_parameters": self.num_parameters,
+            "active_parameters_per_token": self.active_parameters,
             "weights_bytes": self.weights_bytes,
             "weights_bytes_by_format": self.weights_by_format,
             "shared_prefix_tokens": self.shared_prefix_tokens,

@@ -428,6 +428,10 @@ GGUF_LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # Qwen3-MoE's router and its experts, stacked
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 
 
@@ -453,17 +457,22 @@ def _default_tokenizer_fields() -> list[tuple]:
 
 
 def write_tiny_gguf(model, path, types: dict | None = None) -> None:
-    """A transformers Llama, Qwen3 or Gemma 3 `model` as llama.cpp lays out its GGUF, with the
-    default model's tokenizer metadata. `types`: GGML type by GGUF tensor kind (token_embd, attn_q,
-    attn_v, ffn_down, ...; F32 where none is named), quantized with the `gguf` package; norms
-    F32 (Gemma's stored as 1 + weight, as llama.cpp's converter does). Llama's Q/K rows are
-    permuted as llama.cpp's converter does (Qwen3's and Gemma's rotary is NEOX: none)."""
+    """A transformers Llama, Qwen3, Qwen3-MoE or Gemma 3 `model` as llama.cpp lays out its GGUF,
+    with the default model's tokenizer metadata. `types`: GGML type by GGUF tensor kind
+    (token_embd, attn_q, attn_v, ffn_down, ffn_up_exps, ...; F32 where none is named), quantized
+    with the `gguf` package; norms F32 (Gemma's stored as 1 + weight, as llama.cpp's converter
+    does). Llama's Q/K rows are permuted as llama.cpp's converter does (Qwen3's and Gemma's
+    rotary is NEOX: none). Qwen3-MoE's experts are stacked per projection, [experts, rows,
+    columns], as llama.cpp's converter stacks them; a layer transformers keeps dense (its
+    mlp_only_layers) keeps its ffn_gate/up/down, which llama.cpp itself would not load."""
     import gguf
     import numpy as np
 
     types = types or {}
     config = model.config
-    arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}[config.model_type]
+    arch = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}[
+        config.model_type
+    ]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -484,6 +493,10 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     else:
         rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     for key, value, value_type, sub_type in _default_tokenizer_fields():
         writer.add_key_value(key, value, value_type, sub_type)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
@@ -492,7 +505,7 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     for i in range(config.num_hidden_layers):
         for hf, ours in (GEMMA3_GGUF_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES).items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
-    state = model.state_dict()
+    state = _experts_stacked_per_projection(model.state_dict())
     names = {hf: name for hf, name in names.items() if hf in state}  # q_norm, k_norm: Qwen3's only
     assert set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set()) == set(names)
     for hf, gguf_name in names.items():
@@ -504,7 +517,7 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
             heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
             shape = tensor.shape
             tensor = tensor.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
-        qtype = types.get(kind, gguf.GGMLQuantizationType.F32) if tensor.ndim == 2 else None
+        qtype = types.get(kind, gguf.GGMLQuantizationType.F32) if tensor.ndim in (2, 3) else None
         if qtype in (None, gguf.GGMLQuantizationType.F32):
             writer.add_tensor(gguf_name, np.ascontiguousarray(tensor))
         elif qtype == gguf.GGMLQuantizationType.F16:
@@ -515,6 +528,35 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def random_gguf_blocks(qtype, rows: int, columns: int, seed: int = 0):
+    """Random bytes in `qtype`'s block layout (uint8 [rows, row bytes]), its float16 fields set to
+    finite values."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * columns // block_size, type_size), dtype=np.uint8)
+    halves = {kind.Q8_0: 1, kind.Q4_0: 1, kind.Q4_1: 2, kind.Q4_K: 2, kind.Q5_K: 2, kind.Q6_K: 1}[qtype]
+    fields = rng.uniform(-0.05, 0.05, size=(raw.shape[0], halves)).astype(np.float16)
+    at = type_size - 2 if qtype == kind.Q6_K else 0  # Q6_K's d comes last
+    raw[:, at : at + 2 * halves] = fields.view(np.uint8).reshape(raw.shape[0], -1)
+    return raw.reshape(rows, -1)
+
+
+def _experts_stacked_per_projection(state: dict) -> dict:
+    """transformers' experts (gate_up_proj [experts, 2 x width, hidden], down_proj) as llama.cpp's
+    converter stacks them: one tensor per projection, under its mlp.experts.<proj>.weight name."""
+    state = dict(state)
+    for key in [key for key in state if key.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = key.removesuffix("gate_up_proj")
+        gate, up = state.pop(key).chunk(2, dim=1)
+        state[prefix + "gate_proj.weight"], state[prefix + "up_proj.weight"] = gate, up
+        state[prefix + "down_proj.weight"] = state.pop(prefix + "down_proj")
+    return state
 
 
 def benchmark_module(relative_path: str):

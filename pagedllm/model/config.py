@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a Llama-family or Gemma 3 model, read from a Hugging Face config.json.
+"""ModelConfig: the shape of a Llama-family, Gemma 3 or Qwen3-MoE model, read from a Hugging Face
+config.json.
 
 Names are Hugging Face's, so a config and its weights map one to one. GGUF metadata is
 translated into this same form (see gguf_metadata.py), so there is one reader. A config comes
@@ -52,6 +53,19 @@ class ModelConfig:
     """The rope base of the sliding-window layers where it is their own (Gemma 3), unscaled."""
     query_pre_attn_scalar: float | None = None
     """Gemma: attention scores scaled by this ** -0.5 instead of head_dim ** -0.5."""
+    num_experts: int | None = None
+    """A mixture-of-experts model's experts on each sparse layer (None: a dense model). The sizes
+    below are set together with it, as transformers' Qwen3MoeConfig names them."""
+    num_experts_per_tok: int | None = None
+    """The experts each token is routed to (top-k of the router's softmax)."""
+    moe_intermediate_size: int | None = None
+    """Each expert's gated MLP width (the dense layers' is intermediate_size)."""
+    norm_topk_prob: bool = False
+    """The chosen experts' weights renormalized to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Every this-many-th layer is sparse (layer i where (i + 1) % step == 0) ..."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """... except these, which keep the dense MLP."""
 
     @classmethod
     def from_dict(
@@ -113,6 +127,8 @@ class ModelConfig:
             rope_scaling, rope_theta = own_fields.pop("rope_scaling"), own_fields.pop("rope_theta")
         else:
             own_fields = {"layer_windows": _layer_windows(arch, config)}
+        if arch == "Qwen3MoeForCausalLM":
+            own_fields |= _moe_settings(config)
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -161,6 +177,24 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` has experts in place of the dense MLP (transformers' rule)."""
+        return (
+            self.num_experts is not None
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse_layer(index) for index in range(self.num_hidden_layers))
+
+    def _experts_parameters(self) -> tuple[int, int]:
+        """A sparse layer's (expert projections, router) parameters, all experts together."""
+        assert self.num_experts is not None and self.moe_intermediate_size is not None
+        h = self.hidden_size
+        return self.num_experts * 3 * h * self.moe_intermediate_size, self.num_experts * h
+
     @property
     def attention_scale(self) -> float:
         """What scores are scaled by: query_pre_attn_scalar ** -0.5 where the model sets it (Gemma),
@@ -177,22 +211,47 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         norms = {
             "Qwen3ForCausalLM": 2 * h + 2 * self.head_dim,
+            "Qwen3MoeForCausalLM": 2 * h + 2 * self.head_dim,
             "Gemma3ForCausalLM": 4 * h + 2 * self.head_dim,
         }.get(self.architecture, 2 * h)  # 2 or 4 per layer, plus q/k_norm
         per_layer = (attn + 3 * h * i) // tp_size + norms
         head_rows = self.vocab_size // tp_size if self.vocab_size % tp_size == 0 else self.vocab_size
         embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
-        return layers * per_layer + embeddings + h
+        experts = 0
+        if self.num_experts is not None:  # experts and their router in place of the dense MLP
+            experts = self.num_sparse_layers * (sum(self._experts_parameters()) - 3 * h * i)
+        return layers * per_layer + experts + embeddings + h
+
+    def active_parameters(self, tp_size: int = 1) -> int:
+        """The parameters one token's forward pass uses, one rank's share: num_parameters less the
+        experts a token is not routed to (num_experts - num_experts_per_tok on each sparse layer);
+        every parameter for a dense model. As model cards count them (Qwen3-30B-A3B: 3.3B of 30.5B):
+        embeddings and LM head included."""
+        total = self.num_parameters(tp_size)
+        if self.num_experts is None or self.num_experts_per_tok is None:
+            return total
+        per_expert = self._experts_parameters()[0] // self.num_experts
+        idle = self.num_sparse_layers * (self.num_experts - self.num_experts_per_tok) * per_expert
+        return total - idle // tp_size
 
     def projection_parameters(self, tp_size: int = 1) -> int:
-        """The layers' projection weights (q/k/v/o, gate/up/down), one rank's share: what
-        --quantization int8/int4 quantizes."""
-        h = self.hidden_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
-        return self.num_hidden_layers * per_layer // tp_size
+        """The layers' projection weights (q/k/v/o, gate/up/down, each expert's), one rank's share:
+        what --quantization int8/int4 quantizes (not a router, which stays float)."""
+        h, mlp = self.hidden_size, 3 * self.hidden_size * self.intermediate_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + mlp
+        experts = 0
+        if self.num_experts is not None:  # each sparse layer's experts in place of the dense MLP
+            experts = self.num_sparse_layers * (self._experts_parameters()[0] - mlp)
+        return (self.num_hidden_layers * per_layer + experts) // tp_size
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
-        """Raise ValueError, naming the sizes that work, unless every rank gets whole heads."""
+        """Raise ValueError, naming the sizes that work, unless every rank gets whole heads. A
+        mixture-of-experts model runs on one rank (its experts are not split yet)."""
+        if self.num_experts is not None and tp_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size: {tp_size}: {self.architecture}, a mixture-of-experts model, runs "
+                "on one rank for now (its experts are not split over ranks); give tensor_parallel_size 1"
+            )
         counts = {
             "attention heads": self.num_attention_heads,
             "KV heads": self.num_key_value_heads,
@@ -247,6 +306,8 @@ def _layer_windows(architecture: str, config: dict[str, Any]) -> tuple[int | Non
     window = config.get("sliding_window", 4096)
     if architecture == "MistralForCausalLM":
         return None if window is None else (window,) * num_layers
+    if architecture == "Qwen3MoeForCausalLM":  # every layer slides, where the config says so
+        return (window,) * num_layers if config.get("use_sliding_window") and window is not None else None
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or window is None:
         return None
     if not config.get("use_sliding_window", False):
@@ -257,6 +318,34 @@ def _layer_windows(architecture: str, config: dict[str, Any]) -> tuple[int | Non
     ]
     windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
     return windows if any(windows) else None
+
+
+def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3-MoE config's expert fields (checked by type and range already): the three sizes
+    every such config.json states, the rest with transformers' defaults. The experts' count is
+    num_experts in the released configs, num_local_experts where transformers 5 saved the config
+    (its attribute_map's name for the same field)."""
+    named = {config.get(name) for name in ("num_experts", "num_local_experts")} - {None}
+    if len(named) > 1:
+        raise ValueError(
+            f"num_experts {config['num_experts']} and num_local_experts "
+            f"{config['num_local_experts']} disagree"
+        )
+    config = config | {"num_experts": next(iter(named), None)}
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if config.get(name) is None:
+            raise ValueError(f"{name} is missing; a mixture-of-experts model's config states it")
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"hidden_act {activation!r} is not supported (Qwen3-MoE's experts: silu)")
+    return {
+        "num_experts": config["num_experts"],
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "norm_topk_prob": config.get("norm_topk_prob", False),
+        "decoder_sparse_step": config.get("decoder_sparse_step") or 1,
+        "mlp_only_layers": tuple(sorted(set(config.get("mlp_only_layers") or ()))),
+    }
 
 
 def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:

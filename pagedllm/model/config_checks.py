@@ -33,10 +33,20 @@ MODEL_BOUNDS: dict[str, tuple[int, int]] = {
     "max_window_layers": (0, 1024),
     "sliding_window_pattern": (1, 1024),
     "_sliding_window_pattern": (1, 1024),
+    "num_experts": (1, 4096),
+    "num_local_experts": (1, 4096),
+    "num_experts_per_tok": (1, 4096),
+    "moe_intermediate_size": (1, 2**20),
+    "decoder_sparse_step": (1, 1024),
 }
 """The most any real model has, with room to spare (the largest open models of 2025: 126 layers,
-hidden 16,384 or 53,248 MLP, 262,144 tokens, 128 heads, head_dim 512, 10M context): a config
-beyond one of these is damaged or hostile, not a model too large for this host."""
+hidden 16,384 or 53,248 MLP, 262,144 tokens, 128 heads, head_dim 512, 10M context, 512 experts of
+which 10 a token): a config beyond one of these is damaged or hostile, not a model too large for
+this host."""
+MAX_EXPERTS = 2**17
+"""Experts over all sparse layers: each is built as modules of its own (~0.2 ms and a few KiB
+apiece, whatever its size), so a tiny config of 4,096 experts on 1,024 layers would take minutes
+and gigabytes with few parameters. The most of any open model is ~25,000 (Qwen3-Next: 512 x 48)."""
 MAX_PARAMETERS = 2**41
 """~2.2 trillion: above the largest open model (1T); the fields' product is bounded too."""
 FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
@@ -56,7 +66,7 @@ TORCH_DTYPES = frozenset(
     {"float32", "float16", "bfloat16", "float64", "float", "half", "double", "float8_e4m3fn", "float8_e5m2"}
 )
 """config.json's torch_dtype / dtype: a name torch has (transformers looks it up as torch.<name>)."""
-BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob")
 REQUIRED_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -122,6 +132,16 @@ def check_config_fields(
             f"{show(layer_types)} is not one of {sorted(LAYER_TYPES)} per layer "
             f"({config['num_hidden_layers']} layers)",
         )
+    layers = config.get("mlp_only_layers")
+    if layers is not None and (
+        not isinstance(layers, list)
+        or len(layers) > config["num_hidden_layers"]
+        or not all(type(i) is int and 0 <= i < config["num_hidden_layers"] for i in layers)
+    ):
+        raise fail(
+            "mlp_only_layers",
+            f"{show(layers)} is not a list of layer indices (0 to {config['num_hidden_layers'] - 1})",
+        )
     _check_token_ids(config, fail)
 
 
@@ -179,6 +199,7 @@ def check_model_config(config: ModelConfig, source: str) -> None:
         raise ModelLoadError(
             f"{source}: rope_freq_factors: {len(factors)} values, {config.head_dim // 2} positive ones needed"
         )
+    _check_experts(config, source)
     windows = config.layer_windows
     if windows is not None and len(windows) != config.num_hidden_layers:
         raise ModelLoadError(f"{source}: {len(windows)} layer windows for {config.num_hidden_layers} layers")
@@ -194,6 +215,24 @@ def check_model_config(config: ModelConfig, source: str) -> None:
         raise ModelLoadError(
             f"{source}: its sizes make {config.num_parameters():,} parameters, more than any model has "
             f"({MAX_PARAMETERS:,})"
+        )
+
+
+def _check_experts(config: ModelConfig, source: str) -> None:
+    """A mixture-of-experts model's sizes together: each token routes to that many distinct experts."""
+    experts, per_token = config.num_experts, config.num_experts_per_tok
+    if experts is None:
+        return
+    assert per_token is not None  # ModelConfig states the expert sizes together or none of them
+    if per_token > experts:
+        raise ModelLoadError(
+            f"{source}: num_experts_per_tok {per_token} is more than num_experts {experts}: each token "
+            "is routed to that many distinct experts"
+        )
+    if experts * config.num_sparse_layers > MAX_EXPERTS:
+        raise ModelLoadError(
+            f"{source}: num_experts {experts} on {config.num_sparse_layers} sparse layers make "
+            f"{experts * config.num_sparse_layers:,} experts, more than any model has ({MAX_EXPERTS:,})"
         )
 
 

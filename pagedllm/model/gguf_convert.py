@@ -47,6 +47,18 @@ _LAYER_TENSORS = {
 }
 _GEMMA3_LAYER_TENSORS = _LAYER_TENSORS | {"ffn_norm": "pre_feedforward_layernorm"}
 """Gemma 3's ffn_norm is the MLP's input norm; its post_attention_norm the attention output's."""
+_MOE_LAYER_TENSORS = _LAYER_TENSORS | {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+"""Qwen3-MoE's router, and its experts stacked one 3-D tensor per projection [experts, rows,
+columns] under the name llama.cpp's converter gives the stack (gguf_weights.py splits it)."""
+_ARCHITECTURE_LAYER_TENSORS = {
+    "Gemma3ForCausalLM": _GEMMA3_LAYER_TENSORS,
+    "Qwen3MoeForCausalLM": _MOE_LAYER_TENSORS,
+}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -144,7 +156,7 @@ def hf_tensor_name(gguf_name: str, architecture: str, path: Path | None = None) 
     ModelLoadError (naming `path`) for a tensor no such model has."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
-    layer_tensors = _GEMMA3_LAYER_TENSORS if architecture == "Gemma3ForCausalLM" else _LAYER_TENSORS
+    layer_tensors = _ARCHITECTURE_LAYER_TENSORS.get(architecture, _LAYER_TENSORS)
     parts = gguf_name.split(".")
     if (
         len(parts) == 4

@@ -35,6 +35,9 @@ FIELD_KEYS = {
     "rope_local_base_freq": "rope.freq_base_swa",
     "vocab_size": "vocab_size",
     "layer_types": "attention.sliding_window_pattern",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
 }
 """config.json's field -> the GGUF key it comes from (under the architecture's prefix)."""
 _REQUIRED = object()
@@ -96,10 +99,10 @@ def hf_config(metadata: MetadataReader, arch: str) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: neither {p}vocab_size nor tokenizer.ggml.tokens says the vocabulary")
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": MODELS[ARCHITECTURES[arch]].model_type,  # qwen3moe's is qwen3_moe
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": metadata.integer(p + "feed_forward_length"),
+        "intermediate_size": metadata.integer(p + "feed_forward_length", _dense_width(metadata, arch)),
         "num_hidden_layers": metadata.integer(p + "block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": metadata.integer(p + "attention.head_count_kv", None) or num_heads,
@@ -124,6 +127,8 @@ def hf_config(metadata: MetadataReader, arch: str) -> dict[str, Any]:
     if arch == "gemma3":
         check_config_fields(config, str(path), metadata.field_names(arch))  # before a loop over its layers
         config |= _gemma3_config(metadata, config)
+    if arch == "qwen3moe":
+        config |= _qwen3moe_config(metadata)
     for tensor in metadata.contents.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1+: per-frequency divisors
             if len(tensor.shape) != 1 or tensor.shape[0] > MODEL_BOUNDS["head_dim"][1]:
@@ -148,6 +153,37 @@ def _check_token_ids_in_tokenizer(
                 f"tokenizer.ggml.{field}",
                 f"{show(token_id)} is not a token of tokenizer.ggml.tokens (0 to {num_tokens - 1:,})",
             )
+
+
+def _dense_width(metadata: MetadataReader, arch: str) -> Any:
+    """feed_forward_length's default: none (a dense model states it), but a Qwen3-MoE file whose
+    layers are all sparse may leave it out: then its experts' width, which no tensor is checked by."""
+    if arch == "qwen3moe":
+        return metadata.integer(f"{arch}.expert_feed_forward_length")
+    return _REQUIRED
+
+
+def _qwen3moe_config(metadata: MetadataReader) -> dict[str, Any]:
+    """The experts' sizes, and what llama.cpp's graph fixes: the chosen experts' weights always
+    renormalized. llama.cpp makes every layer sparse; a layer that holds a dense MLP (ffn_down)
+    instead of a router is read as one of mlp_only_layers (transformers' configs may name some)."""
+    p = "qwen3moe."
+    dense = {
+        int(parts[1])
+        for tensor in metadata.contents.tensors
+        if len(parts := tensor.name.split(".")) == 4
+        and parts[0] == "blk"
+        and parts[1].isascii()
+        and parts[1].isdigit()
+        and parts[2] == "ffn_down"
+    }
+    return {
+        "num_experts": metadata.integer(p + "expert_count"),
+        "num_experts_per_tok": metadata.integer(p + "expert_used_count"),
+        "moe_intermediate_size": metadata.integer(p + "expert_feed_forward_length"),
+        "norm_topk_prob": True,
+        "mlp_only_layers": sorted(dense),
+    }
 
 
 def _gemma3_config(metadata: MetadataReader, config: dict[str, Any]) -> dict[str, Any]:

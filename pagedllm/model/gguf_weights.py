@@ -13,11 +13,15 @@ readers here spell them out otherwise (the reference path, the embedding's looku
 
 The file is memory-mapped and read tensor by tensor, so no float copy of the model exists at any
 time, and nothing is written to disk. llama.cpp stores Llama's Q and K rows permuted for its
-rotary layout; that is undone here, by rows, on the codes as on floats.
+rotary layout; that is undone here, by rows, on the codes as on floats. A mixture of experts'
+layer stacks its experts in one 3-D tensor per projection (ffn_gate_exps: [experts, rows, columns]
+in Hugging Face's order), each expert's rows one run of the bytes: read here as each expert's own
+matrix, in its blocks as stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +33,7 @@ import torch
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, EncodedRows, quantize
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_convert import hf_tensor_name, unpermute_rotary_rows
-from pagedllm.model.gguf_file import read_tensor_directory
+from pagedllm.model.gguf_file import GGUFTensor, read_tensor_directory
 
 Weight = torch.Tensor | BlockQuantized
 
@@ -40,6 +44,9 @@ def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[st
         if tensor.name == "rope_freqs.weight":
             continue  # folded into config.json (rope_freq_factors)
         name = hf_tensor_name(tensor.name, config.architecture, gguf_path)
+        if len(tensor.shape) == 3 and ".experts." in name:  # a layer's experts, stacked
+            yield from _experts_apart(tensor, name)
+            continue
         weight = read_tensor(tensor)
         if (
             config.architecture == "Gemma3ForCausalLM"
@@ -52,6 +59,21 @@ def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[st
             order = torch.from_numpy(unpermute_rotary_rows(np.arange(weight.shape[0]), heads))
             weight = weight.permute_rows(order) if isinstance(weight, BlockQuantized) else weight[order]
         yield name, weight
+
+
+def _experts_apart(tensor: GGUFTensor, name: str) -> Iterator[tuple[str, Weight]]:
+    """A stacked experts tensor (`name` model.layers.N.mlp.experts.gate_proj.weight, its shape
+    checked against the config by tensor_checks.py) as each expert's matrix, named as a
+    checkpoint names it (model.layers.N.mlp.experts.E.gate_proj.weight). Each expert's part keeps
+    the whole tensor's release: the pages of experts not yet packed are read from the file again."""
+    columns, rows, num_experts = tensor.shape
+    size = tensor.data.size // num_experts  # bytes an expert
+    prefix, _, projection = name.rpartition(".experts.")
+    for expert in range(num_experts):
+        part = dataclasses.replace(
+            tensor, shape=(columns, rows), data=tensor.data[expert * size : (expert + 1) * size]
+        )
+        yield f"{prefix}.experts.{expert}.{projection}", read_tensor(part)
 
 
 def read_tensor(tensor: Any) -> Weight:

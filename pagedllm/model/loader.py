@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -208,7 +209,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     not_loaded = 0
-    for checkpoint_name, tensor in weights:
+    for checkpoint_name, tensor in _experts_apart(weights):
         hf_name = _language_model_name(checkpoint_name)
         if hf_name is None:
             not_loaded += 1
@@ -243,6 +244,30 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
         logger.info(
             "Serving the language model alone (text in, text out): %d vision tensors not loaded", not_loaded
         )
+
+
+_STACKED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def _experts_apart(weights: Iterable[tuple[str, Loaded]]) -> Iterator[tuple[str, Loaded]]:
+    """transformers' in-memory layout of a layer's experts, which save_pretrained writes only when
+    told not to restore the checkpoint's (save_original_format=False): experts.gate_up_proj
+    [num_experts, 2 x moe_intermediate_size, hidden_size] (gate rows, then up) and
+    experts.down_proj [num_experts, hidden_size, moe_intermediate_size], as each expert's own
+    tensors, the names checkpoints give them (experts.E.gate_proj.weight, ...). Others pass."""
+    for name, tensor in weights:
+        match = _STACKED_EXPERTS.fullmatch(name)
+        if match is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        prefix, kind = match.groups()
+        for expert, weight in enumerate(tensor.unbind(0)):
+            if kind == "down_proj":
+                yield f"{prefix}.{expert}.down_proj.weight", weight
+            else:
+                gate, up = weight.chunk(2)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up
 
 
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")

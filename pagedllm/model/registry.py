@@ -35,6 +35,7 @@ MODELS: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "mistral"),
     "Qwen2ForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "qwen2", "qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3"),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe"),
     "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", "gemma3", "gemma3"),
 }
 """config.json's architecture -> its model. Every model is the Llama layout or a subclass of it."""

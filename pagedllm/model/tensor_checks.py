@@ -31,6 +31,7 @@ SAFETENSORS_DTYPE_BITS = {
 }  # fmt: skip
 """The safetensors format's dtypes, in bits per element (F4 and F6 pack several to a byte)."""
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
 
 
 def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -57,6 +58,19 @@ def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], di
         "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i),
     }
+    if config.num_experts is not None and config.moe_intermediate_size is not None:
+        e, m = config.num_experts, config.moe_intermediate_size
+        layer |= {
+            "mlp.gate.weight": (e, h),
+            "mlp.experts.*.gate_proj.weight": (m, h),  # each expert's (experts.E.*: E in place of *)
+            "mlp.experts.*.up_proj.weight": (m, h),
+            "mlp.experts.*.down_proj.weight": (h, m),
+            "mlp.experts.gate_proj.weight": (e, m, h),  # a GGUF's, stacked (ffn_gate_exps, ...)
+            "mlp.experts.up_proj.weight": (e, m, h),
+            "mlp.experts.down_proj.weight": (e, h, m),
+            "mlp.experts.gate_up_proj": (e, 2 * m, h),  # transformers' own stacked layout
+            "mlp.experts.down_proj": (e, h, m),
+        }
     return model, layer
 
 
@@ -80,16 +94,21 @@ def check_tensors_against_config(tensors: Iterable[Listed], config: ModelConfig,
                     f"{config.num_hidden_layers} layers (0 to {config.num_hidden_layers - 1})"
                 )
             layers.add(index)
-            expected = layer_shapes.get(name[match.end() :])
+            expected = layer_shapes.get(_expert_pattern(name[match.end() :], config, source, own_name))
         else:
             expected = model_shapes.get(name)
             has_embedding = has_embedding or name == "model.embed_tokens.weight"
         if expected is not None and shape is not None and tuple(shape) != expected:
+            experts = (
+                ""
+                if config.num_experts is None
+                else f", {config.num_experts} experts of {config.moe_intermediate_size}"
+            )
             raise ModelLoadError(
                 f"{source}: tensor {own_name!r} has shape {list(shape)}, but the config's sizes make it "
                 f"{list(expected)} (vocab_size {config.vocab_size}, hidden_size {config.hidden_size}, "
                 f"intermediate_size {config.intermediate_size}, heads {config.num_attention_heads}/"
-                f"{config.num_key_value_heads} of {config.head_dim})"
+                f"{config.num_key_value_heads} of {config.head_dim}{experts})"
             )
     missing = sorted(set(range(config.num_hidden_layers)) - layers)
     if missing:
@@ -99,6 +118,21 @@ def check_tensors_against_config(tensors: Iterable[Listed], config: ModelConfig,
         )
     if not has_embedding:
         raise ModelLoadError(f"{source}: the file holds no token embedding tensor")
+
+
+def _expert_pattern(suffix: str, config: ModelConfig, source: str, own_name: str) -> str:
+    """A layer tensor's name after `model.layers.N.`, an expert's index in it checked against the
+    config's experts and replaced by * (expected_shapes' key for every expert)."""
+    match = _EXPERT.match(suffix)
+    if match is None:
+        return suffix
+    index = int(match.group(1))
+    if config.num_experts is None or index >= config.num_experts:
+        raise ModelLoadError(
+            f"{source}: tensor {own_name!r} is of expert {index}, but the config has "
+            f"{config.num_experts or 'no'} experts a layer"
+        )
+    return f"mlp.experts.*.{suffix[match.end() :]}"
 
 
 def check_checkpoint_tensors(folder: Path, config: ModelConfig) -> None:

@@ -26,7 +26,14 @@ from pagedllm.quantization.base import HeldByCheckpoint
 from pagedllm.quantization.linear_method import BlockQuantizedLinearMethod, FloatLinearMethod
 from pagedllm.quantization.registry import QUANTIZATION_METHODS
 
-from ..helpers import TEST_ENGINE_ARGS, TINY, save_tiny_model, tiny_architectures, write_tiny_gguf
+from ..helpers import (
+    TEST_ENGINE_ARGS,
+    TINY,
+    random_gguf_blocks,
+    save_tiny_model,
+    tiny_architectures,
+    write_tiny_gguf,
+)
 
 KIND = gguf.GGMLQuantizationType
 
@@ -36,22 +43,10 @@ def _gguf_tensor(raw: np.ndarray, qtype, rows: int, columns: int):
     return types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(columns, rows))
 
 
-def _random_blocks(qtype, rows: int, columns: int, seed: int = 0) -> np.ndarray:
-    """Random bytes in `qtype`'s block layout, its float16 fields set to finite values."""
-    rng = np.random.default_rng(seed)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows * columns // block_size, type_size), dtype=np.uint8)
-    halves = {KIND.Q8_0: 1, KIND.Q4_0: 1, KIND.Q4_1: 2, KIND.Q4_K: 2, KIND.Q5_K: 2, KIND.Q6_K: 1}[qtype]
-    fields = rng.uniform(-0.05, 0.05, size=(raw.shape[0], halves)).astype(np.float16)
-    at = type_size - 2 if qtype == KIND.Q6_K else 0  # Q6_K's d comes last
-    raw[:, at : at + 2 * halves] = fields.view(np.uint8).reshape(raw.shape[0], -1)
-    return raw.reshape(rows, -1)
-
-
 @pytest.mark.parametrize("qtype", [KIND.Q8_0, KIND.Q4_0, KIND.Q4_1, KIND.Q4_K, KIND.Q5_K])
 def test_gguf_blocks_read_without_loss(qtype):
     rows, columns = 48, 512
-    raw = _random_blocks(qtype, rows, columns)
+    raw = random_gguf_blocks(qtype, rows, columns)
     ours = read_tensor(_gguf_tensor(raw, qtype, rows, columns))
     assert isinstance(ours, BlockQuantized) and ours.format == qtype.name
     theirs = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, columns))
@@ -64,8 +59,8 @@ def test_gguf_rows_pack_as_their_read_out_blocks(qtype):
     """The packer that reads GGUF's bytes gives the generic packer's blob byte for byte, also for
     rows chosen and joined while still encoded (q/k/v, the rotary order, tensor-parallel shares)."""
     rows, columns = 70, 512  # rows not a whole group of 64: padding too
-    first = read_tensor(_gguf_tensor(_random_blocks(qtype, rows, columns, seed=1), qtype, rows, columns))
-    second = read_tensor(_gguf_tensor(_random_blocks(qtype, rows, columns, seed=2), qtype, rows, columns))
+    first = read_tensor(_gguf_tensor(random_gguf_blocks(qtype, rows, columns, seed=1), qtype, rows, columns))
+    second = read_tensor(_gguf_tensor(random_gguf_blocks(qtype, rows, columns, seed=2), qtype, rows, columns))
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
     weight = join_rows([first.permute_rows(order), second.rows(3, 50)])
     encoded = weight.still_encoded
@@ -80,7 +75,7 @@ def test_looked_up_gguf_rows_read_out_as_their_blocks_dequantized(qtype):
     """An embedding held as the file stores it: the C++ lookup gives each row's values bit for bit
     as the blocks read out in Python and dequantized, in any order, repeated; a bad id is refused."""
     rows, columns = 40, 512
-    raw = _random_blocks(qtype, rows, columns, seed=3)
+    raw = random_gguf_blocks(qtype, rows, columns, seed=3)
     table = read_tensor(_gguf_tensor(raw, qtype, rows, columns))
     ids = torch.tensor([7, 0, 39, 7, 12])
     got = cpu_ops.gguf_rows(torch.from_numpy(raw), ids, qtype.name, columns)

@@ -161,6 +161,7 @@ def format_plan(plan: CapacityPlan) -> str:
             for name, size in sorted(plan.weights_by_format.items(), key=lambda i: -i[1])
         )
         + f"; activations {plan.dtype})",
+        *_experts_line(plan),
         f"KV cache dtype   {spec.cache_dtype}",
         f"bytes per token  {spec.bytes_per_token:,} = 2 x {c.num_hidden_layers} layers x "
         f"{spec.num_kv_heads} KV heads x ({row}){scale_share}{per_rank}",
@@ -187,6 +188,18 @@ def format_plan(plan: CapacityPlan) -> str:
         )
     lines += ["", *_what_if_table(plan)]
     return "\n".join(lines)
+
+
+def _experts_line(plan: CapacityPlan) -> list[str]:
+    """A mixture of experts' parameters a token uses: what a decode step reads of the experts."""
+    c = plan.model_config
+    if c.num_experts is None:
+        return []
+    return [
+        f"active           {plan.active_parameters:,} parameters a token ({c.num_experts_per_tok} of "
+        f"{c.num_experts} experts on {c.num_sparse_layers} of {c.num_hidden_layers} layers: "
+        f"{plan.active_parameters / plan.num_parameters:.1%} of the weights' parameters)"
+    ]
 
 
 def _what_if_table(plan: CapacityPlan) -> list[str]:

@@ -1,0 +1,122 @@
+"""A mixture of experts: the router's choice of experts per token, and the experts computed grouped
+by expert (vLLM's fused_moe, llama.cpp's mul_mat_id).
+
+Each token goes to the top-k experts of the router's softmax (computed in float32, as transformers
+computes it, so ties and near ties resolve as torch.topk resolves them there), and its output is
+their gated MLPs' outputs weighted by those probabilities (renormalized over the k where the model
+says so). A step's tokens are not computed one by one: its (token, expert) pairs are grouped by
+expert, and each expert that any token chose runs its gate_up and down projections once over all
+its rows, so each expert's weights are read once per step whatever the number of rows routed to
+it; an expert no token chose is not read at all.
+
+Each expert is a pair of projections (layers/linear.py), so an expert holds its weight as any
+projection does: float, packed for the CPU paths; or in its file's quantized blocks (a GGUF's
+ffn_*_exps split per expert, model/gguf_weights.py), packed for the integer kernel and never
+dequantized. Children are named by expert index (`experts.3.gate_up_proj`), the names checkpoints
+give them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.direct_call import DirectCall
+from pagedllm.layers.linear import Loaded, MergedColumnParallelLinear, RowParallelLinear, copy_weight
+from pagedllm.layers.quantization import BlockQuantized
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [num_tokens, num_experts] -> (weights, expert ids), each [num_tokens, top_k]:
+    the top-k of the softmax in float32 (ties as torch.topk breaks them), renormalized to sum to 1
+    where `renormalize`, the weights in the logits' dtype (transformers' Qwen3MoeTopKRouter)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), expert_ids
+
+
+class Router(DirectCall, nn.Module):
+    """The router's projection, [num_experts, hidden_size], kept float whatever the file holds:
+    the choice of experts is decided by its logits, so it is not computed from quantized inputs."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
+        """A router stored in quantized blocks is dequantized (exactly) into the float weight."""
+        if isinstance(loaded, BlockQuantized):
+            loaded = loaded.dequantize(param.dtype)
+        copy_weight(param.data, loaded)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> router logits [num_tokens, num_experts]."""
+        return F.linear(hidden, self.weight)
+
+
+class ExpertMLP(nn.Module):
+    """One expert's weights: gate and up fused (as a dense MLP's), then down; no forward of its own."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, None)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, None)
+
+
+class FusedMoE(DirectCall, nn.Module):
+    """`num_experts` SiLU-gated experts of width `intermediate_size`, computed grouped by expert."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.expert_mlps = [ExpertMLP(hidden_size, intermediate_size) for _ in range(num_experts)]
+        """The experts by index, without nn.Module's lookup by name on every step."""
+        for index, mlp in enumerate(self.expert_mlps):  # named 0, 1, ...: a checkpoint's experts.E.*
+            self.add_module(str(index), mlp)
+        self.act_fn: nn.Module = SiluAndMul()
+
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size]; topk_weights, topk_ids: [num_tokens, top_k] (from
+        select_experts). Returns [num_tokens, hidden_size]: each token's experts' outputs times
+        their weights, summed over its k in expert order (transformers adds them in that order, one
+        by one; torch.sum accumulates a bfloat16 sum in float32 and rounds it once).
+
+        The pairs, flattened token by token, sorted by expert (stably: a group's rows stay in
+        token order); their rows gathered once, each group computed over its slice of them, then
+        each token's k results gathered back and summed:
+
+            topk_ids  [[5, 1], [1, 3], [5, 3]]   ->  pairs (t0,5) (t0,1) (t1,1) (t1,3) (t2,5) (t2,3)
+            by expert   1: t0 t1 | 3: t1 t2 | 5: t0 t2   (one gate_up and one down per group)
+
+        No index_add_ (one per expert), whose parallel region costs milliseconds a call where
+        another process holds a core (a 1-row add: 12 ms on 2 threads of a busy 2-core host, 6 us
+        on one; this block at decode 47 ms with it, 0.34 ms without): one gather and one sum a
+        step instead, over all the rows. The price: the pairs' rows held twice, [num_tokens x
+        top_k, hidden_size] each (a 2,048-token bfloat16 prefill step of Qwen3-30B-A3B: 64 MiB).
+        """
+        num_tokens, top_k = topk_ids.shape
+        sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)  # [num_tokens * top_k] pairs
+        experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        x = hidden.index_select(0, order // top_k)  # each pair's token row, grouped by expert
+        pair_weights = topk_weights.flatten()[order].unsqueeze(1)  # [num_tokens * top_k, 1]
+        y = torch.empty_like(x)  # each pair's weighted output, in the same order
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+            end = start + count
+            mlp = self.expert_mlps[expert]
+            y[start:end] = (
+                mlp.down_proj(self.act_fn(mlp.gate_up_proj(x[start:end]))) * pair_weights[start:end]
+            )
+            start = end
+        # where each token's pairs landed; ascending = by expert, as sorted
+        where = torch.empty_like(order)
+        where[order] = torch.arange(order.numel(), device=order.device)
+        where = where.view(num_tokens, top_k).sort(dim=1).values
+        return y.index_select(0, where.flatten()).view(num_tokens, top_k, -1).sum(dim=1)
