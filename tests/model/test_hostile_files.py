@@ -91,7 +91,8 @@ def _run_all_cases(folder: Path) -> dict:
 def test_the_whole_corpus_answers_in_bounded_time_and_memory(tmp_path):
     """In a process of its own, so its peak RSS is the corpus's (imports included)."""
     code = (
-        "import json, sys; from pathlib import Path; from tests.test_hostile_files import _run_all_cases; "
+        "import json, sys; from pathlib import Path; "
+        "from tests.model.test_hostile_files import _run_all_cases; "
         "print(json.dumps(_run_all_cases(Path(sys.argv[1]))))"
     )
     done = subprocess.run(
@@ -135,7 +136,7 @@ def test_a_speculative_config_nested_30000_deep_is_a_clear_error():
 _CLI = """
 import os, sys
 from pagedllm.entrypoints.cli.main import main
-from tests.test_hostile_files import peak_rss_bytes
+from tests.model.test_hostile_files import peak_rss_bytes
 try:
     main(sys.argv[1:])
 finally:

@@ -238,7 +238,7 @@ def test_prefix_caching_gives_the_plain_path_tokens(moe_folder, moe_llm):
 
 def test_an_int8_kv_cache_stays_near_the_float_one(moe_folder, moe_llm):
     """--kv-cache-dtype int8 against the float32 cache, scored teacher-forced on the float run's
-    greedy tokens (int8's noise decides near ties, so two greedy runs part: tests/test_kv_quant.py).
+    greedy tokens (int8's noise decides near ties, so two greedy runs part: tests/attention/test_kv_quant.py).
     Here (64 tokens): mean |logprob difference| 0.067 (median 0.04; 0.35 and 1.24 where a token's
     experts change with the noise), 62 of 64 still int8's first choice; the same test on a dense
     tiny Qwen3 of this shape: mean 0.024, max 0.09, 63 of 64. Asked: mean < 0.25, 80%."""
