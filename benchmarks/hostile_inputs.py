@@ -53,7 +53,7 @@ from pagedllm.bench.server_process import ServerProcess  # noqa: E402
 from pagedllm.bench.throughput import git_sha  # noqa: E402
 from pagedllm.cpu_features import describe_host  # noqa: E402
 from pagedllm.engine.async_tokenizer import AsyncTokenizer  # noqa: E402
-from pagedllm.model.config import ModelConfig  # noqa: E402
+from pagedllm.model.config_reader import model_config_from_folder  # noqa: E402
 from pagedllm.model.errors import ModelLoadError  # noqa: E402
 from pagedllm.model.loader import resolve_model_folder  # noqa: E402
 from pagedllm.planner import read_model_config  # noqa: E402
@@ -186,7 +186,7 @@ def bombs(tokenizer: Any, max_model_len: int, budget_s: float) -> list[dict[str,
 async def compile_pool(tokenizer: Any, folder: Path) -> dict[str, Any]:
     """A victim's regex latency alone and behind another client's two slow compiles."""
     backend = StructuredOutputBackend(
-        tokenizer, ModelConfig.from_folder(folder).vocab_size, [tokenizer.eos_token_id]
+        tokenizer, model_config_from_folder(folder).vocab_size, [tokenizer.eos_token_id]
     )
     pool = GrammarCompilePool(
         backend, num_workers=limits.GRAMMAR_COMPILE_WORKERS, timeout_s=limits.GRAMMAR_COMPILE_TIMEOUT_S
@@ -272,7 +272,7 @@ def _as_plan_reads(path: Path) -> None:
 
 
 def _as_serve_reads(path: Path) -> None:
-    ModelConfig.from_folder(resolve_model_folder(str(path)))
+    model_config_from_folder(resolve_model_folder(str(path)))
 
 
 READERS = {"plan": _as_plan_reads, "serve": _as_serve_reads}

@@ -23,6 +23,7 @@ from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedllm.layers.quantization import packed_bits_per_weight
 from pagedllm.model.checkpoint_quant import CheckpointQuantization
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
 from pagedllm.model.gguf_convert import gguf_hf_config
 from pagedllm.model.loader import locate_model, resolve_dtype
 from pagedllm.quantization.registry import QUANTIZATION_METHODS
@@ -44,8 +45,8 @@ def read_model_config(
         hint = "or describe the model by numbers (--layers, --hidden-size, ...)"
         raise FileNotFoundError(f"{error}; {hint}") from None
     if path.suffix == ".gguf":
-        return ModelConfig.from_dict(gguf_hf_config(path))
-    return ModelConfig.from_folder(path)
+        return model_config_from_dict(gguf_hf_config(path))
+    return model_config_from_folder(path)
 
 
 def config_from_numbers(
@@ -62,7 +63,7 @@ def config_from_numbers(
 ) -> ModelConfig:
     """A Llama-shaped config from its sizes, e.g. the classic 7B: 32, 4096, 32, 11008, 32000;
     checked as a file's config is, the errors naming the flags."""
-    return ModelConfig.from_dict(
+    return model_config_from_dict(
         {
             "architectures": ["LlamaForCausalLM"],
             "num_hidden_layers": layers,

@@ -110,8 +110,7 @@ def default_hf_folder(tmp_path_factory) -> Path:
     from safetensors.torch import save_file
 
     from pagedllm.layers.quantization import BlockQuantized
-    from pagedllm.model.config import ModelConfig
-    from pagedllm.model.gguf_convert import GGUF_SOURCE
+    from pagedllm.model.config_reader import GGUF_SOURCE, model_config_from_folder
     from pagedllm.model.gguf_weights import iter_gguf_weights
 
     folder = tmp_path_factory.mktemp("default-hf")
@@ -119,7 +118,7 @@ def default_hf_folder(tmp_path_factory) -> Path:
     for file in converted.iterdir():
         if file.name != GGUF_SOURCE:
             shutil.copy(file, folder / file.name)
-    weights = iter_gguf_weights(default_model_path(), ModelConfig.from_folder(converted))
+    weights = iter_gguf_weights(default_model_path(), model_config_from_folder(converted))
     tensors = {name: w.dequantize() if isinstance(w, BlockQuantized) else w for name, w in weights}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

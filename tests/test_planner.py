@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.entrypoints.cli.main import main
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_dict
 from pagedllm.model.gguf_convert import converted_folder, gguf_hf_config
 from pagedllm.model.loader import default_model_path
 from pagedllm.planner import MemoryBudget, plan_capacity, read_model_config
@@ -84,7 +84,7 @@ def test_gguf_metadata_gives_the_converted_config(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))  # no cached conversion: metadata only
     assert gguf_hf_config(path) == converted
     assert not any(tmp_path.iterdir())  # nothing was converted
-    assert ModelConfig.from_dict(converted) == read_model_config(str(path))
+    assert model_config_from_dict(converted) == read_model_config(str(path))
 
 
 def test_python_m_pagedllm_plan_prints_the_report_and_what_if_table():
@@ -126,12 +126,12 @@ def test_sliding_windows_are_the_layers_own_and_max_model_len_is_refused_over_th
     layer, Qwen2's from max_window_layers on and only with use_sliding_window, Llama's never."""
     config = json.loads((converted_folder(default_model_path()) / "config.json").read_text())
     config |= {"max_position_embeddings": 4096, "sliding_window": 512, "num_hidden_layers": 4}
-    mistral = ModelConfig.from_dict({**config, "architectures": ["MistralForCausalLM"]})
+    mistral = model_config_from_dict({**config, "architectures": ["MistralForCausalLM"]})
     assert mistral.layer_windows == (512,) * 4
-    assert ModelConfig.from_dict({**config, "architectures": ["LlamaForCausalLM"]}).layer_windows is None
+    assert model_config_from_dict({**config, "architectures": ["LlamaForCausalLM"]}).layer_windows is None
     qwen2 = {**config, "architectures": ["Qwen2ForCausalLM"], "max_window_layers": 1}
-    assert ModelConfig.from_dict(qwen2).layer_windows is None  # use_sliding_window is off by default
-    assert ModelConfig.from_dict(qwen2 | {"use_sliding_window": True}).layer_windows == (None, 512, 512, 512)
+    assert model_config_from_dict(qwen2).layer_windows is None  # use_sliding_window is off by default
+    assert model_config_from_dict(qwen2 | {"use_sliding_window": True}).layer_windows == (None, 512, 512, 512)
     assert mistral.resolve_max_model_len(None) == 4096
     assert mistral.resolve_max_model_len(1000) == 1000
     with pytest.raises(ValueError, match="max_model_len: 5,000 is over the model's context of 4,096"):

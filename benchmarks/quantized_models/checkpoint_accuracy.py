@@ -27,7 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.test_checkpoint_quant import Format, write_quantized_checkpoint  # noqa: E402
+from tests.quantization.test_checkpoint_quant import Format, write_quantized_checkpoint  # noqa: E402
 
 FORMATS = {
     "w8a8": Format("ct-int", 8, -1, symmetric=True),

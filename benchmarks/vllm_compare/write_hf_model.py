@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from pagedllm.layers.quantization import BlockQuantized
-from pagedllm.model.config import ModelConfig
-from pagedllm.model.gguf_convert import GGUF_SOURCE, converted_folder
+from pagedllm.model.config_reader import GGUF_SOURCE, model_config_from_folder
+from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import default_model_path
 
@@ -44,7 +44,7 @@ def write_hf_model(out_dir: Path, dtype: str) -> Path:
             shutil.copy2(file, staging / file.name)
     tensors = {
         name: (weight.dequantize() if isinstance(weight, BlockQuantized) else weight).to(DTYPES[dtype])
-        for name, weight in iter_gguf_weights(gguf_path, ModelConfig.from_folder(source))
+        for name, weight in iter_gguf_weights(gguf_path, model_config_from_folder(source))
     }
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())

@@ -25,7 +25,7 @@ from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_ar
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation
 from pagedllm.logger import configure_logging
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.loader import resolve_dtype, resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> None:
     quant_dtype = "int8" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     requests = load_requests(args.workload, args.num_requests)
     folder = resolve_model_folder(config.model)
-    model_config = ModelConfig.from_folder(folder)
+    model_config = model_config_from_folder(folder)
     model_dtype = str(resolve_dtype(config.dtype, resolve_device(config.device))).removeprefix("torch.")
     tokenizer = load_tokenizer(config.tokenizer or folder, config.chat_template)
     seq_lens = [len(tokenizer(r.prompt).input_ids) + r.max_tokens for r in requests]

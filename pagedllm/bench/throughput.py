@@ -20,7 +20,7 @@ from pagedllm.bench.naive import NaiveHF, NaiveResult
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.loader import resolve_dtype, resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import KVCacheSpec
@@ -127,7 +127,7 @@ def main(args: argparse.Namespace) -> None:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     spec = KVCacheSpec.for_model(
-        ModelConfig.from_folder(folder), config.block_size, str(dtype).split(".")[-1]
+        model_config_from_folder(folder), config.block_size, str(dtype).split(".")[-1]
     )
     reserved_tokens = args.naive_batch_size * args.naive_max_len
     if config.kv_cache_memory_bytes is None and config.num_gpu_blocks_override is None:

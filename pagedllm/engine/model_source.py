@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import gguf_source, model_config_from_folder
 from pagedllm.model.errors import loading, loading_tokenizer
-from pagedllm.model.gguf_convert import gguf_source
 from pagedllm.model.loader import model_display_name, resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.tokenizer import load_tokenizer
 
@@ -43,7 +43,7 @@ class ModelSource:
             folder = resolve_model_folder(
                 config.model, revision=config.revision, download_dir=config.download_dir
             )
-            model_config = ModelConfig.from_folder(folder)
+            model_config = model_config_from_folder(folder)
         tokenizer_folder = (
             resolve_tokenizer_folder(
                 config.tokenizer, revision=config.tokenizer_revision, download_dir=config.download_dir

@@ -19,6 +19,7 @@ from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.distributed.parallel_state import destroy_tp_group, host_cores, init_tp_group, rank_threads
 from pagedllm.logger import configure_logging
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.loader import resolve_model_folder
 from pagedllm.worker.worker import Worker, resolve_device
 
@@ -92,7 +93,7 @@ def run_rank(spec: RankSpec, config: EngineConfig) -> None:
     """A rank other than 0, from start to the engine's shutdown."""
     configure_logging(f"rank {spec.rank}")
     folder = resolve_model_folder(config.model, revision=config.revision, download_dir=config.download_dir)
-    worker = make_rank_worker(spec, config, ModelConfig.from_folder(folder), folder)
+    worker = make_rank_worker(spec, config, model_config_from_folder(folder), folder)
     assert worker.tp is not None
     num_steps = 0
     while (call := worker.tp.broadcast(None)) is not None:

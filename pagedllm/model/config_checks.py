@@ -177,7 +177,7 @@ def check_rope_scaling(scaling: dict[str, Any] | None, source: str, field: str =
 
 
 def check_model_config(config: ModelConfig, source: str) -> None:
-    """The fields against each other, once the config is made (ModelConfig.from_dict runs it)."""
+    """The fields against each other, once the config is made (model_config_from_dict runs it)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % kv_heads:
         raise ModelLoadError(

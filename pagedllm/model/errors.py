@@ -3,15 +3,18 @@
 A model file is untrusted input, like a request: whatever its bytes say, loading it ends in a
 model or in one line naming the file and what is wrong with it, never in a traceback from deep
 inside struct, numpy or transformers. It is a ValueError, so every entry point that already
-answers bad input with "error: ..." answers a bad file the same way.
+answers bad input with "error: ..." answers a bad file the same way. read_json reads a model
+folder's JSON files (config.json, an index) on the same terms.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 LOW_LEVEL_ERRORS: tuple[type[BaseException], ...] = (
     struct.error,
@@ -39,6 +42,14 @@ def one_line(error: BaseException) -> str:
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     text = " ".join(text.split()) or "no message"
     return text if len(text) <= 500 else text[:497] + "..."
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a model folder; ModelLoadError naming it where it is not JSON."""
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelLoadError(f"{path}: not valid JSON ({type(error).__name__}: {error})") from None
 
 
 @contextlib.contextmanager

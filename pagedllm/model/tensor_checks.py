@@ -19,8 +19,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pagedllm.model.config import ModelConfig, read_json
-from pagedllm.model.errors import ModelLoadError
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.errors import ModelLoadError, read_json
+from pagedllm.model.registry import language_model_name
 
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 2**20
 """The safetensors format's own limit on its JSON header."""
@@ -139,14 +140,12 @@ def check_checkpoint_tensors(folder: Path, config: ModelConfig) -> None:
     """An HF folder's tensors against its config: from the safetensors headers where the weights
     are here, else from model.safetensors.index.json's names; nothing to check without either
     (a hub model planned from its config alone)."""
-    from pagedllm.model.loader import _language_model_name
-
     files = sorted(folder.glob("*.safetensors"))
     named: list[Listed] = []
     if files:
         for file in files:
             for name, shape in read_safetensors_header(file).items():
-                hf_name = _language_model_name(name)
+                hf_name = language_model_name(name)
                 if hf_name is not None:
                     named.append((hf_name, shape, name))
         check_tensors_against_config(named, config, str(folder))
@@ -157,7 +156,7 @@ def check_checkpoint_tensors(folder: Path, config: ModelConfig) -> None:
         weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index}: no weight_map object of tensor names")
-        listed = [(_language_model_name(name), None, name) for name in weight_map]
+        listed = [(language_model_name(name), None, name) for name in weight_map]
         check_tensors_against_config(
             [(hf_name, None, name) for hf_name, _, name in listed if hf_name is not None], config, str(index)
         )

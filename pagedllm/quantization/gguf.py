@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.gguf_convert import gguf_source
+from pagedllm.model.config_reader import gguf_source
 from pagedllm.quantization.base import QuantizationMethod
 from pagedllm.quantization.linear_method import Loaded
 

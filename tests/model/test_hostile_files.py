@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import GGUF_SOURCE, model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
-from pagedllm.model.gguf_convert import GGUF_SOURCE, gguf_hf_config
+from pagedllm.model.gguf_convert import gguf_hf_config
 from pagedllm.model.loader import load_model, resolve_model_folder
 from pagedllm.planner import plan_capacity, read_model_config
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -41,7 +41,7 @@ def _as_plan_reads(path: Path) -> None:
 
 
 def _as_serve_reads(path: Path) -> None:
-    ModelConfig.from_folder(resolve_model_folder(str(path)))
+    model_config_from_folder(resolve_model_folder(str(path)))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -116,12 +116,12 @@ def test_the_corpus_base_gguf_is_a_model_that_loads(arch, tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(gguf_hf_config(path)))
     (folder / GGUF_SOURCE).write_text(str(path))
-    load_model(folder, ModelConfig.from_folder(folder), torch.float32, torch.device("cpu"), 64)
+    load_model(folder, model_config_from_folder(folder), torch.float32, torch.device("cpu"), 64)
 
 
 def test_the_corpus_base_folder_is_a_model_that_loads(tmp_path):
     folder = write_hf(tmp_path / "base")
-    config = ModelConfig.from_folder(folder)
+    config = model_config_from_folder(folder)
     assert plan_capacity(config, "base").weights_bytes > 0
     load_model(folder, config, torch.float32, torch.device("cpu"), 64)
 

@@ -15,7 +15,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization import BlockQuantized
-from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedllm.model.config_reader import SUPPORTED_ARCHITECTURES, model_config_from_folder
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
 from pagedllm.model.loader import MODEL_CLASSES, default_model_path
@@ -36,7 +36,7 @@ from ..helpers import (
 def test_gguf_weights_as_read_equal_transformers_gguf_weights(reference):
     """Our reading of the GGUF's blocks (kept quantized) dequantizes to exactly transformers' weights."""
     path = default_model_path()
-    config = ModelConfig.from_folder(converted_folder(path))
+    config = model_config_from_folder(converted_folder(path))
     ours = dict(iter_gguf_weights(path, config))
     theirs = reference.model.state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: the embedding serves as lm_head
@@ -52,7 +52,7 @@ def test_every_supported_architecture_has_a_model_class():
 
 
 def test_default_model_config_and_kv_size_match_vllm_report():
-    config = ModelConfig.from_folder(converted_folder(default_model_path()))
+    config = model_config_from_folder(converted_folder(default_model_path()))
     assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (30, 3, 64)
     assert config.tie_word_embeddings and config.max_position_embeddings == 8192
     plan = plan_kv_cache(KVCacheSpec.for_model(config, 32, "bfloat16"), 4 * 2**30, 8192)
@@ -112,7 +112,7 @@ def test_architecture_matches_transformers(name, tmp_path, reference):
     assert saved["architectures"][0] == type(model).__name__
     assert saved["architectures"][0] in SUPPORTED_ARCHITECTURES
     # the planner's count from the shapes alone (`pagedllm plan`), against the model's own
-    assert ModelConfig.from_folder(tmp_path).num_parameters() == sum(p.numel() for p in model.parameters())
+    assert model_config_from_folder(tmp_path).num_parameters() == sum(p.numel() for p in model.parameters())
 
     ids = reference.tokenizer(
         "A short prompt to check the whole forward pass, position by position."
@@ -207,7 +207,7 @@ def test_a_gguf_loads_as_its_hf_folder(name, architecture, tmp_path, monkeypatch
     write_tiny_gguf(model, tmp_path / "tiny.gguf")  # F32, as llama.cpp lays it out
     folder = converted_folder(tmp_path / "tiny.gguf")
 
-    ours = dict(iter_gguf_weights(tmp_path / "tiny.gguf", ModelConfig.from_folder(folder)))
+    ours = dict(iter_gguf_weights(tmp_path / "tiny.gguf", model_config_from_folder(folder)))
     theirs = {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}
     assert set(ours) == set(theirs)
     for tensor_name, tensor in ours.items():
@@ -216,7 +216,7 @@ def test_a_gguf_loads_as_its_hf_folder(name, architecture, tmp_path, monkeypatch
             assert torch.equal(tensor + 1, theirs[tensor_name] + 1), tensor_name
         else:
             assert torch.equal(tensor, theirs[tensor_name]), tensor_name
-    from_gguf, from_hf = ModelConfig.from_folder(folder), ModelConfig.from_folder(tmp_path / "hf")
+    from_gguf, from_hf = model_config_from_folder(folder), model_config_from_folder(tmp_path / "hf")
     assert from_gguf.architecture == architecture and from_gguf.head_dim == 32
     assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)  # GGUF's is a float32
     # and a GGUF names no dtype

@@ -21,7 +21,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.fused_moe import FusedMoE, select_experts
 from pagedllm.layers.quantization import BlockQuantized
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_file import GGUFTensor
@@ -168,7 +168,7 @@ def test_greedy_and_logprobs_match_transformers(norm_topk_prob, original_format,
     assert stacked != original_format and "model.layers.0.mlp.gate.weight" in names
     assert "model.layers.1.mlp.gate_proj.weight" in names  # the dense layer
 
-    config = ModelConfig.from_folder(tmp_path)
+    config = model_config_from_folder(tmp_path)
     assert [config.is_sparse_layer(i) for i in range(4)] == [True, False, True, True]
     assert config.num_parameters() == sum(p.numel() for p in model.parameters())
     llm = engine(tmp_path)
@@ -180,7 +180,7 @@ def test_a_sliding_window_slides_every_layer(tmp_path):
     """use_sliding_window: transformers' Qwen3-MoE slides every layer (no max_window_layers)."""
     model = random_model(use_sliding_window=True, sliding_window=8)
     save_with_random_norms(model, tmp_path)
-    assert ModelConfig.from_folder(tmp_path).layer_windows == (8, 8, 8, 8)
+    assert model_config_from_folder(tmp_path).layer_windows == (8, 8, 8, 8)
     assert_matches_reference(model, engine(tmp_path), "sliding window")
 
 
@@ -298,7 +298,7 @@ def test_gguf_experts_read_per_expert_in_their_blocks(quantized_gguf):
     to the `gguf` package's dequantization of what it wrote; the router and the dense layer come as
     floats."""
     model, path, qtype = quantized_gguf
-    config = ModelConfig.from_folder(converted_folder(path))
+    config = model_config_from_folder(converted_folder(path))
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 96)
     assert config.norm_topk_prob and config.mlp_only_layers == (1,)  # llama.cpp renormalizes
     ours = dict(iter_gguf_weights(path, config))
@@ -460,7 +460,7 @@ def blocks(**overrides):
     with torch.no_grad():
         for param in theirs.parameters():
             param.normal_(0, 0.3)
-    ours = Qwen3MoeSparseMoeBlock(ModelConfig.from_dict(hf_config.to_dict()))
+    ours = Qwen3MoeSparseMoeBlock(model_config_from_dict(hf_config.to_dict()))
     load_block(ours, theirs)
     return theirs, ours
 
@@ -574,7 +574,7 @@ def test_sparse_layers_are_those_transformers_builds(step, mlp_only):
 
     hf_config = moe_config(num_hidden_layers=6, decoder_sparse_step=step, mlp_only_layers=mlp_only)
     model = meta_model(hf_config)
-    ours = ModelConfig.from_dict(hf_config.to_dict())
+    ours = model_config_from_dict(hf_config.to_dict())
     assert [ours.is_sparse_layer(i) for i in range(6)] == [
         isinstance(layer.mlp, HFBlock) for layer in model.model.layers
     ]
@@ -639,11 +639,11 @@ def test_plan_counts_total_and_active_parameters(tmp_path, capsys):
 def test_a_config_out_of_bounds_is_refused(change, message):
     config = moe_config().to_dict() | change
     with pytest.raises(ModelLoadError, match=message):
-        ModelConfig.from_dict(config, source="config.json")
+        model_config_from_dict(config, source="config.json")
 
 
 def test_tensor_parallel_is_refused_for_now():
-    config = ModelConfig.from_dict(moe_config().to_dict())
+    config = model_config_from_dict(moe_config().to_dict())
     with pytest.raises(ValueError, match="mixture-of-experts model, runs on one rank"):
         config.check_tensor_parallel_size(2)
     config.check_tensor_parallel_size(1)

@@ -19,7 +19,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.checkpoint_quant import iter_checkpoint_weights
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.loader import check_quantization
 from pagedllm.planner import weights_by_format
 from pagedllm.quantization.registry import read_checkpoint_quantization
@@ -276,7 +276,7 @@ def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tm
         # `pagedllm plan` counts the bytes the kernel holds, from config.json alone
         folder = tmp_path / "quantized"
         planned = weights_by_format(
-            ModelConfig.from_folder(folder), "float32", None, checkpoint=read_checkpoint_quantization(folder)
+            model_config_from_folder(folder), "float32", None, checkpoint=read_checkpoint_quantization(folder)
         )
         name = f"{fmt.method} int{fmt.bits}"
         assert abs(planned[name] - formats[name]) <= 0.01 * formats[name], (planned, formats)

@@ -20,7 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli.main import main
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import BlockQuantized, join_rows, quantize
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
 from pagedllm.model.loader import check_quantization
 from pagedllm.planner import weights_by_format
@@ -127,7 +127,7 @@ def _read(folder, dequantize: bool = False) -> dict:
     method = model_quantization(folder)
     assert method is not None and method.name == "fp8"
     files = method.files(folder)
-    return dict(method.weights(files, ModelConfig.from_folder(folder), dequantize))
+    return dict(method.weights(files, model_config_from_folder(folder), dequantize))
 
 
 @pytest.mark.parametrize(("model", "block", "static"), CHECKPOINTS, ids=str)
@@ -240,7 +240,7 @@ def test_fp8_checkpoint_served_against_its_weights_in_float(model, block, static
     assert float(difference.mean()) < 0.7 and float(difference.max()) < 5.0 and same >= 0.6
     assert float((logprobs - runs["int8"][1]).abs().max()) < 1e-5
     planned = weights_by_format(
-        ModelConfig.from_folder(fp8_folder),
+        model_config_from_folder(fp8_folder),
         "float32",
         None,
         checkpoint=read_checkpoint_quantization(fp8_folder),
@@ -253,7 +253,7 @@ def test_pagedllm_plan_names_the_format_and_the_flag_is_the_checkpoints_own(tmp_
     --quantization fp8 names it, none plans float, int8 is refused on it; fp8 on a float folder
     is refused as awq / gptq / compressed-tensors are."""
     fp8_folder, _ = _write(tmp_path, "qwen3-head-dim", (128, 128), False)
-    config = ModelConfig.from_folder(fp8_folder)
+    config = model_config_from_folder(fp8_folder)
     for flags in ([], ["--quantization", "fp8"]):
         main(["plan", "--model", str(fp8_folder), "--dtype", "float32", *flags, "--json"])
         by_format = json.loads(capsys.readouterr().out)["weights_bytes_by_format"]
