@@ -78,12 +78,18 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
     attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
     """What a variant changes of the layer (Qwen3: per-head query and key norms, model/qwen3.py)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup | None, window: int | None = None, index: int = 0
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self.attention_class(config, tp, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = self.make_mlp(config, tp, index)
+
+    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
+        """The feed-forward block of layer `index` (Qwen3-MoE: experts where the config says)."""
+        return LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -119,7 +125,9 @@ class LlamaForCausalLM(DirectCall, nn.Module):
         )
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         windows = config.layer_windows or (None,) * config.num_hidden_layers
-        self.layers = nn.ModuleList(self.decoder_layer_class(config, tp, window) for window in windows)
+        self.layers = nn.ModuleList(
+            self.decoder_layer_class(config, tp, window, index) for index, window in enumerate(windows)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()

@@ -18,18 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.backend import CosSin, KVCache
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.direct_call import DirectCall
-from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.fused_moe import FusedMoE, Router, select_experts
-from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.lm_head import ParallelLMHead
-from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM, LlamaMLP
-from pagedllm.model.qwen3 import Qwen3Attention
+from pagedllm.model.qwen3 import Qwen3DecoderLayer
 
 __all__ = ["Qwen3MoeForCausalLM"]
 
@@ -48,47 +42,17 @@ class Qwen3MoeSparseMoeBlock(DirectCall, nn.Module):
         return self.experts(hidden, topk_weights, topk_ids)
 
 
-class Qwen3MoeDecoderLayer(DirectCall, nn.Module):
-    """Qwen3's layer, its MLP sparse where `is_sparse`."""
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    """Qwen3's layer, its MLP sparse where the config says (ModelConfig.is_sparse_layer)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None, window: int | None, is_sparse: bool) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen3Attention(config, tp, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: Qwen3MoeSparseMoeBlock | LlamaMLP = (
-            Qwen3MoeSparseMoeBlock(config) if is_sparse else LlamaMLP(config, tp)
-        )
-
-    def forward(
-        self,
-        rope: CosSin,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
+        return Qwen3MoeSparseMoeBlock(config) if config.is_sparse_layer(index) else LlamaMLP(config, tp)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    decoder_layer_class = Qwen3MoeDecoderLayer
+
     def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
         if tp is not None and tp.world_size > 1:
             raise ValueError(f"{config.architecture} runs on one rank: its experts are not split over ranks")
-        nn.Module.__init__(self)
-        self.config = config
-        self.rotary = RotaryEmbedding(
-            config.head_dim, max_position, config.rope_theta, config.rope_scaling, config.rope_freq_factors
-        )
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        windows = config.layer_windows or (None,) * config.num_hidden_layers
-        self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(config, tp, window, config.is_sparse_layer(index))
-            for index, window in enumerate(windows)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        self.tie_weights()
+        super().__init__(config, max_position, tp)
