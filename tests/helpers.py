@@ -85,6 +85,22 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
 
 
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens after `ids` alone, EOS ignored (as ignore_eos runs), and each
+    step's logits in float32: the reference a model's run is compared with."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences[0, len(ids) :].tolist(), [step[0].float() for step in out.logits]
+
+
 def die_with_parent() -> None:
     """A test subprocess's `preexec_fn`: on Linux the kernel sends it SIGTERM when the thread that
     started it ends, so a test process killed outright (SIGKILL, no finalizer runs) leaves no server

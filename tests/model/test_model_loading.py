@@ -25,6 +25,7 @@ from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, plan_kv_ca
 from ..helpers import (
     TEST_ENGINE_ARGS,
     assert_greedy_equal,
+    hf_greedy,
     pagedllm_log_lines,
     save_tiny_model,
     save_with_random_norms,
@@ -118,18 +119,8 @@ def test_architecture_matches_transformers(name, tmp_path, reference):
         "A short prompt to check the whole forward pass, position by position."
     ).input_ids
     new_tokens = 24
-    model.generation_config.eos_token_id = None  # run the full length, like ignore_eos below
-    with torch.inference_mode():
-        generated = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    ref_tokens = generated.sequences[0, len(ids) :].tolist()
-    ref_logprobs = [torch.log_softmax(step[0].float(), -1) for step in generated.logits]
+    ref_tokens, ref_logits = hf_greedy(model, ids, new_tokens)  # the full length, like ignore_eos below
+    ref_logprobs = [torch.log_softmax(step, -1) for step in ref_logits]
 
     ours = LLM(
         str(tmp_path),

@@ -30,7 +30,14 @@ from pagedllm.model.gguf_weights import held_form, iter_gguf_weights, read_tenso
 from pagedllm.model.qwen3_moe import Qwen3MoeSparseMoeBlock
 from pagedllm.planner import gguf_weights_by_format
 
-from ..helpers import TEST_ENGINE_ARGS, TINY, random_gguf_blocks, save_with_random_norms, write_tiny_gguf
+from ..helpers import (
+    TEST_ENGINE_ARGS,
+    TINY,
+    hf_greedy,
+    random_gguf_blocks,
+    save_with_random_norms,
+    write_tiny_gguf,
+)
 
 KIND = gguf.GGMLQuantizationType
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -89,17 +96,9 @@ def one_thread():
 @torch.inference_mode()
 def reference(model, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy tokens for `ids` alone, and each step's log-softmax."""
-    model.generation_config.eos_token_id = None
     with one_thread():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(ids) :].tolist(), [torch.log_softmax(s[0].float(), -1) for s in out.logits]
+        tokens, logits = hf_greedy(model, ids, NEW_TOKENS)
+    return tokens, [torch.log_softmax(step, -1) for step in logits]
 
 
 @torch.inference_mode()

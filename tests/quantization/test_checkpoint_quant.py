@@ -24,7 +24,7 @@ from pagedllm.model.loader import check_quantization
 from pagedllm.planner import weights_by_format
 from pagedllm.quantization.registry import read_checkpoint_quantization
 
-from ..helpers import TEST_ENGINE_ARGS, assert_greedy_equal, save_tiny_model
+from ..helpers import TEST_ENGINE_ARGS, assert_greedy_equal, hf_greedy, save_tiny_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -237,16 +237,7 @@ def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tm
     write_quantized_checkpoint(tmp_path / "float", tmp_path / "quantized", tmp_path / "dequantized", fmt)
     reference_model = AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized", dtype=torch.float32)
     ids = list(range(100, 160))
-    with torch.inference_mode():
-        out = reference_model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=16,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    ref_tokens = out.sequences[0, len(ids) :].tolist()
+    ref_tokens, ref_logits = hf_greedy(reference_model, ids, 16)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
     runs = {}
     for quantization in ("none", None):
@@ -265,7 +256,7 @@ def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tm
         )
         del engine
     tokens, _, formats = runs["none"]
-    assert_greedy_equal(tokens, ref_tokens, [step[0].float() for step in out.logits], str(fmt))
+    assert_greedy_equal(tokens, ref_tokens, ref_logits, str(fmt))
     assert formats.keys() == {"float32"}
     if None in runs:
         tokens, logprobs, formats = runs[None]

@@ -27,7 +27,14 @@ from pagedllm.planner import weights_by_format
 from pagedllm.quantization.fp8 import FORMAT, iter_fp8_weights
 from pagedllm.quantization.registry import model_quantization, read_checkpoint_quantization
 
-from ..helpers import TEST_ENGINE_ARGS, TINY, assert_greedy_equal, save_with_random_norms, tiny_architectures
+from ..helpers import (
+    TEST_ENGINE_ARGS,
+    TINY,
+    assert_greedy_equal,
+    hf_greedy,
+    save_with_random_norms,
+    tiny_architectures,
+)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -215,17 +222,7 @@ def test_fp8_checkpoint_served_against_its_weights_in_float(model, block, static
         del engine
 
     reference_model = AutoModelForCausalLM.from_pretrained(dequantized_folder, dtype=torch.float32)
-    with torch.inference_mode():
-        out = reference_model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=16,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    ref_tokens = out.sequences[0, len(ids) :].tolist()
-    ref_logits = [step[0].float() for step in out.logits]
+    ref_tokens, ref_logits = hf_greedy(reference_model, ids, 16)
     tokens, logprobs, _, formats = runs["none"]
     assert_greedy_equal(runs["reference"][0], ref_tokens, ref_logits, "float checkpoint")
     assert tokens == runs["reference"][0] and formats.keys() == {"float32"}
