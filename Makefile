@@ -34,7 +34,7 @@ test: setup
 	$(BIN)/python -m pytest -q --durations=20
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 serve: setup
 	$(BIN)/pagedllm serve $(ARGS)

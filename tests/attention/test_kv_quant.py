@@ -191,6 +191,7 @@ def test_int8_greedy_agrees_with_auto_on_most_prompts(llm, int8_llm):
         assert all(map(math.isfinite, values))
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_int8_outputs_identical_with_and_without_prefix_caching(int8_llm):
     prefix = load_eval_set("texts")[1]
     prompts = [prefix + ending for ending in (" In short,", " The key idea", " Animals, by contrast,", " So")]

@@ -208,6 +208,7 @@ def _check_consistent(report: dict, num_requests: int) -> None:
     assert report["mean_e2el_ms"] == pytest.approx(report["e2e_s"]["mean"] * 1e3)
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_random_all_at_once(server, tmp_path: Path, capsys):
     report = _bench(
         server, tmp_path, capsys,
@@ -275,6 +276,7 @@ def test_jsonl_workload_old_flags(server, tmp_path: Path, capsys):
     assert set(report["tpot_s"]) == {"p50", "p95", "p99", "mean"}
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_conversation_workload_can_ignore_eos(server, tmp_path: Path, capsys):
     """A conversation line with `ignore_eos` (benchmarks/spec_decode's sets) gets answers of
     exactly max_tokens through the chat endpoint."""

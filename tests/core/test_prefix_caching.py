@@ -45,6 +45,7 @@ def cached_tokens(llm, prompts, params=GREEDY, **kwargs) -> list[int]:
     return [o.num_cached_tokens for o in outputs]
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_shared_prefix_hits_after_the_first_request(fresh):
     prefix = token_prompt(1, 4 * BLOCK)
     prompts = [prefix + token_prompt(100 + i, 10) for i in range(4)]
@@ -68,6 +69,7 @@ def test_longer_prompt_hits_the_full_blocks_of_a_shorter_one(fresh):
     assert cached_tokens(fresh, [base]) == [4 * BLOCK]
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_cache_salt_isolates_tenants(fresh):
     engine = fresh.llm_engine
     prompt = token_prompt(5, 4 * BLOCK + 3)
@@ -105,6 +107,7 @@ def test_decode_blocks_are_cached_so_the_next_turn_hits_the_answer(fresh):
     assert cached_tokens(fresh, [turn2]) == [expected]
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_reset_prefix_cache_drops_free_cached_blocks(fresh):
     prompt = token_prompt(8, 3 * BLOCK + 2)
     cached_tokens(fresh, [prompt])
@@ -133,6 +136,7 @@ def uncached():
     return LLM(**TEST_ENGINE_ARGS, enable_prefix_caching=False)
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_shared_prefix_outputs_equal_caching_off(fresh, uncached):
     preamble = "You are a careful assistant. Use only the reference below.\n\nReference:\n" + (
         "Paged attention keeps the KV cache in blocks so memory is allocated on demand. " * 12
@@ -167,6 +171,7 @@ def test_four_turn_conversation_equals_caching_off(fresh, uncached):
     assert hits[0] == 0 and all(h > 0 for h in hits[1:])
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_eviction_under_pressure_keeps_outputs_correct(uncached):
     small = LLM(**{**TEST_ENGINE_ARGS, "max_model_len": 256}, num_gpu_blocks_override=24)
     prefixes = [token_prompt(50 + i, 3 * BLOCK) for i in range(3)]
@@ -338,6 +343,7 @@ def test_hit_rate_by_caller_and_prompt_length(fresh):
     assert stats.by_prompt_length["128-511"].hits >= 20 * BLOCK
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_sliding_window_layers_give_the_same_tokens_cached_chunked_and_batched(tmp_path):
     """A Gemma 3 whose 8-key windows slide well inside these prompts: prompts sharing a 3-block
     prefix, served together with prefix caching and 16-token prefill chunks, give each one's

@@ -71,6 +71,7 @@ def test_memory_sizes_parse():
     assert EngineConfig(max_num_seqs=4096).max_num_batched_tokens == 4096
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_bad_requests_are_rejected_and_the_batch_is_unaffected(llm):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=12)

@@ -34,6 +34,7 @@ def baseline(llm):
     return [llm.generate(p, _params(i), use_tqdm=False)[0] for i, p in enumerate(PROMPTS)]
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_preemption_under_a_tiny_pool_gives_the_same_outputs(baseline):
     # 10 blocks of 16 = 160 slots for 12 requests of 20-110 tokens: preemption is certain.
     tiny = LLM(**{**TEST_ENGINE_ARGS, "max_model_len": 160}, num_gpu_blocks_override=10)
@@ -45,6 +46,7 @@ def test_preemption_under_a_tiny_pool_gives_the_same_outputs(baseline):
     pool.check_integrity()
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 @pytest.mark.parametrize("budget", [16, 23])
 def test_chunk_sizes_give_the_same_outputs(baseline, budget):
     chunked = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=budget, max_num_seqs=budget)
@@ -52,12 +54,14 @@ def test_chunk_sizes_give_the_same_outputs(baseline, budget):
     assert_same_or_near_tie(outputs, baseline, f"budget {budget}")
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_one_token_prefill_chunks_give_the_same_outputs(baseline):
     single = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=1, max_num_seqs=1)
     outputs = single.generate(PROMPTS[:3], [_params(i) for i in range(3)], use_tqdm=False)
     assert_same_or_near_tie(outputs, baseline[:3], "chunk 1")
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_the_pytorch_attention_path_gives_the_same_outputs(baseline, monkeypatch):
     """The path CUDA takes (gather + SDPA, decode batches grouped by length, prefill spans over a
     cached context), run through the runner here on CPU: chunked prefill and prefix hits included."""
@@ -83,6 +87,7 @@ def _without_logprobs(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - (i % 5), ignore_eos=True)
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 @pytest.mark.parametrize("budget", [None, 23])
 def test_speculative_decoding_gives_the_same_outputs(baseline, budget):
     """n-gram drafts checked in the batch (beside prefill chunks where the budget is small):
@@ -96,6 +101,7 @@ def test_speculative_decoding_gives_the_same_outputs(baseline, budget):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_suffix_decoding_gives_the_same_outputs(baseline):
     """Suffix drafts (from each request's own context and from the outputs before it, the
     prompts run twice so the second round can draft from the first): the plain path's tokens."""
@@ -109,6 +115,7 @@ def test_suffix_decoding_gives_the_same_outputs(baseline):
     assert spec.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_speculative_decoding_under_a_tiny_pool_gives_the_same_outputs(baseline):
     tiny = LLM(
         **{**TEST_ENGINE_ARGS, "max_model_len": 160},

@@ -270,6 +270,7 @@ def test_penalties_count_the_draft_tokens_before_each_position(llm, spec_llm, pe
     assert got.draft_tokens is not None and got.draft_tokens[1] > 0, "drafts were checked and kept"
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_a_seeded_request_samples_the_same_tokens_with_speculation(llm, spec_llm):
     """A seed fixes the draws: with speculation the request draws position by position from its
     own generator as plain sampling does, so its tokens are the same, while it still keeps the
@@ -304,6 +305,7 @@ def test_aborts_while_checking_drafts_give_every_block_back(spec_llm):
     assert pool.num_free_blocks == pool.num_blocks
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_sampled_output_keeps_its_distribution_with_speculation(llm, spec_llm):
     """Temperature 1 over the top two tokens, three tokens a request (the second and third
     checked as drafts where the n-gram proposer finds them): the joint distribution of the
@@ -334,6 +336,7 @@ def test_sampled_output_keeps_its_distribution_with_speculation(llm, spec_llm):
 # ---- served -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_served_with_speculation_reports_drafts_everywhere_vllm_users_look(tmp_path):
     """--speculative-config on the server: the start-up line, vLLM's spec_decode_* families on
     /metrics, acceptance in /stats, the response's timings (llama.cpp's draft_n fields), and a

@@ -99,6 +99,7 @@ def _constrained(**fields) -> SamplingParams:
     return SamplingParams(structured_outputs=StructuredOutputsParams(json=json.dumps(ITEM)), **fields)
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_greedy_constrained_output_is_the_same_with_speculation(llm, spec_llm):
     params = [
         _constrained(temperature=0.0, max_tokens=48),
@@ -146,6 +147,7 @@ FORM = {
 }
 
 
+@pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 def test_tokens_the_grammar_forces_are_checked_as_drafts(llm):
     """No JSON in the prompt for the n-gram proposer to copy: the drafts are the schema's keys,
     which the grammar forces; the output is plain constrained decoding's."""
