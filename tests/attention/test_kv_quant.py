@@ -18,7 +18,7 @@ from pagedllm.attention.paged_attention import paged_attention, read_blocks, wri
 from pagedllm.eval.scoring import load_eval_set, tokens_until_divergence
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_cache_dtype
 
-from ..helpers import TEST_ENGINE_ARGS
+from ..helpers import TEST_ENGINE_ARGS, pagedllm_log_lines
 
 FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -218,9 +218,9 @@ def test_int8_preemption_finishes_with_the_same_outputs(int8_llm):
     pool.check_integrity()
 
 
-def test_fp8_alias_runs_e4m3_end_to_end(caplog):
-    with caplog.at_level("INFO", logger="pagedllm"):
+def test_fp8_alias_runs_e4m3_end_to_end():
+    with pagedllm_log_lines() as lines:  # not caplog: LLM() stops pagedllm's records propagating
         fp8 = LLM(**TEST_ENGINE_ARGS, kv_cache_dtype="fp8")
-    assert "11,880 bytes per token (fp8_e4m3, 360 of them scales)" in caplog.text
+    assert any("11,880 bytes per token (fp8_e4m3, 360 of them scales)" in line for line in lines), lines
     out = fp8.generate(load_eval_set("prompts")[:2], _greedy(8, logprobs=0), use_tqdm=False)
     assert all(math.isfinite(lp.logprob) for o in out for s in o.outputs[0].logprobs for lp in s.values())
