@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pagedllm import limits
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.front_step import abort_outputs, step_outputs
+from pagedllm.engine.front_step import abort_outputs, add_to_core, step_outputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.messages import EngineRequest, ModelFacts
 from pagedllm.engine.model_source import ModelSource
@@ -51,7 +51,6 @@ from pagedllm.engine.warm_up import warm_up
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.outputs import INVALID_REQUEST, RequestOutput
-from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.compile_pool import (
     CompilerUnavailableError,
@@ -386,14 +385,7 @@ class AsyncLLM:
 
     def _add_one(self, processed: EngineRequest) -> None:
         """The core's bookkeeping, then this front end's detokenizer for the request."""
-        if self.output_processor.has_request(processed.req_id):
-            raise ValueError(f"request_id: {processed.req_id!r} is already in use")
-        request = self.core.add_request(processed)
-        try:
-            self.output_processor.add_request(request)
-        except BaseException:
-            self.core.finish_requests([request.req_id], RequestStatus.FINISHED_ABORTED)
-            raise
+        add_to_core(self.core, self.output_processor, processed)
 
     def _abort_now(self, req_ids: list[str]) -> list[RequestOutput]:
         return abort_outputs(self.core, self.output_processor, req_ids)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.front_step import abort_outputs, step_outputs
+from pagedllm.engine.front_step import abort_outputs, add_to_core, step_outputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.messages import EngineRequest
 from pagedllm.engine.model_source import ModelSource
@@ -28,7 +28,6 @@ from pagedllm.engine.warm_up import warm_up
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -103,15 +102,7 @@ class LLMEngine:
     def add_processed(self, processed: EngineRequest) -> str:
         """Queue a request an InputProcessor made: the core's bookkeeping, then this front end's
         detokenizer for it. Raises ValueError for an id already in use."""
-        if self.output_processor.has_request(processed.req_id):
-            raise ValueError(f"request_id: {processed.req_id!r} is already in use")
-        request = self.core.add_request(processed)
-        try:
-            self.output_processor.add_request(request)
-        except BaseException:
-            self.core.finish_requests([request.req_id], RequestStatus.FINISHED_ABORTED)
-            raise
-        return request.req_id
+        return add_to_core(self.core, self.output_processor, processed)
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """End requests now, wherever they are; their blocks go back to the pool at once."""
