@@ -55,7 +55,7 @@ from pagedllm.cpu_features import describe_host  # noqa: E402
 from pagedllm.engine.async_tokenizer import AsyncTokenizer  # noqa: E402
 from pagedllm.model.config_reader import model_config_from_folder  # noqa: E402
 from pagedllm.model.errors import ModelLoadError  # noqa: E402
-from pagedllm.model.loader import resolve_model_folder  # noqa: E402
+from pagedllm.model.locate import resolve_model_folder  # noqa: E402
 from pagedllm.planner import read_model_config  # noqa: E402
 from pagedllm.sampling_params import StructuredOutputsParams  # noqa: E402
 from pagedllm.structured_output.backend import StructuredOutputBackend  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedllm.model.gguf_convert import converted_folder
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.locate import default_model_path
 
 SHAPE = {
     "hidden_size": 512,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from pagedllm.flags import flag, flag_shape
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.speculative_config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]

@@ -25,7 +25,7 @@ from pagedllm.model.checkpoint_quant import CheckpointQuantization
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
 from pagedllm.model.gguf_convert import gguf_hf_config
-from pagedllm.model.loader import locate_model, resolve_dtype
+from pagedllm.model.locate import locate_model, resolve_dtype
 from pagedllm.quantization.registry import QUANTIZATION_METHODS
 from pagedllm.worker.kv_cache import KVCachePlan, KVCacheSpec, plan_kv_cache, resolve_cache_dtype
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.model.loader import default_model_path, resolve_model_folder
+from pagedllm.model.locate import default_model_path, resolve_model_folder
 
 from .helpers import TEST_ENGINE_ARGS
 

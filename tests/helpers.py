@@ -28,7 +28,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_cost import StepCostModel
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.model.gguf_convert import converted_folder
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.locate import default_model_path
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 

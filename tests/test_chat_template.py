@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pagedllm import chat_template
-from pagedllm.model.loader import resolve_model_folder
+from pagedllm.model.locate import resolve_model_folder
 from pagedllm.tokenizer import chat_prompt, load_tokenizer, render_chat
 
 CONVERSATIONS = [

@@ -25,14 +25,15 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "workload",
         "chat_template",
         "tokenizer",
-        "structured_output.json_schema",
-        "spec_decode.config",
+        "speculative_config",
     ],
     ["structured_output", "metrics", "request"],
     ["core"],
     ["kernels", "attention", "distributed"],
-    ["layers", "quantization.linear_method"],  # how a projection holds its weight: layers/linear.py's
-    ["model", "quantization", "sample", "spec_decode"],  # the format families read files, as model/ does
+    ["layers"],
+    ["model", "sample", "spec_decode"],
+    ["quantization"],  # the format families read files through model/
+    ["model_loader"],  # builds a model/ and fills it through quantization/
     ["worker"],
     ["executor"],
     ["engine"],

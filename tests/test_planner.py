@@ -13,7 +13,7 @@ from pagedllm import LLM
 from pagedllm.entrypoints.cli.main import main
 from pagedllm.model.config_reader import model_config_from_dict
 from pagedllm.model.gguf_convert import converted_folder, gguf_hf_config
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.locate import default_model_path
 from pagedllm.planner import MemoryBudget, plan_capacity, read_model_config
 
 from .helpers import TEST_ENGINE_ARGS

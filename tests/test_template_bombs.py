@@ -24,7 +24,7 @@ import pytest
 
 from pagedllm import chat_template
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
-from pagedllm.model.loader import resolve_model_folder
+from pagedllm.model.locate import resolve_model_folder
 from pagedllm.tokenizer import chat_prompt, load_tokenizer, max_prompt_chars, max_token_chars
 
 from .helpers import TEST_ENGINE_ARGS, RemoteServer, assert_openai_error, server_engine_args

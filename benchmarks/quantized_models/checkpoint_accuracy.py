@@ -42,7 +42,7 @@ def write_float_folder(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from pagedllm.model.gguf_convert import converted_folder
-    from pagedllm.model.loader import default_model_path
+    from pagedllm.model.locate import default_model_path
 
     gguf_path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(

@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     from pagedllm.model.gguf_convert import converted_folder
-    from pagedllm.model.loader import default_model_path
+    from pagedllm.model.locate import default_model_path
 
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)

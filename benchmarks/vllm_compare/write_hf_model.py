@@ -25,7 +25,7 @@ from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.config_reader import GGUF_SOURCE, model_config_from_folder
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.locate import default_model_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

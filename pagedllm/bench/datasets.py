@@ -23,7 +23,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.config import EngineConfig
-from pagedllm.model.loader import resolve_model_folder, resolve_tokenizer_folder
+from pagedllm.model.locate import resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.workload import BenchRequest, Conversation, load_workload
 

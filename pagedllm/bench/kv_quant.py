@@ -26,7 +26,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation
 from pagedllm.logger import configure_logging
 from pagedllm.model.config_reader import model_config_from_folder
-from pagedllm.model.loader import resolve_dtype, resolve_model_folder
+from pagedllm.model.locate import resolve_dtype, resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.kv_cache import KVCacheSpec, resolve_cache_dtype

@@ -21,7 +21,7 @@ from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
 from pagedllm.model.config_reader import model_config_from_folder
-from pagedllm.model.loader import resolve_dtype, resolve_model_folder
+from pagedllm.model.locate import resolve_dtype, resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import KVCacheSpec
 from pagedllm.worker.worker import resolve_device

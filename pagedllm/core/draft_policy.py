@@ -23,7 +23,7 @@ import math
 from pagedllm.core.step_cost import StepCostModel
 from pagedllm.metrics.stats import SpecDecodeStats
 from pagedllm.request import Request
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

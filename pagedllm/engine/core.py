@@ -36,7 +36,7 @@ from pagedllm.executor import Executor, WorkerDiedError, make_executor
 from pagedllm.metrics.divergence import DivergenceFinder
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.request import Request, RequestStatus
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output.backend import RequestGrammar
 from pagedllm.worker.kv_cache import KVCachePlan
 from pagedllm.worker.worker import Worker

@@ -16,7 +16,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.config_reader import gguf_source, model_config_from_folder
 from pagedllm.model.errors import loading, loading_tokenizer
-from pagedllm.model.loader import model_display_name, resolve_model_folder, resolve_tokenizer_folder
+from pagedllm.model.locate import model_display_name, resolve_model_folder, resolve_tokenizer_folder
 from pagedllm.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from pagedllm.config import EngineConfig, add_engine_args, engine_config_from_ar
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.eval.scoring import load_eval_set, perplexity, run_generation, tokens_until_divergence
 from pagedllm.logger import configure_logging
-from pagedllm.model.loader import locate_model
+from pagedllm.model.locate import locate_model
 from pagedllm.quantization.registry import (
     LOAD_TIME_METHODS,
     QUANTIZATION_METHODS,

@@ -20,7 +20,7 @@ from pagedllm.distributed.parallel_state import destroy_tp_group, host_cores, in
 from pagedllm.logger import configure_logging
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.config_reader import model_config_from_folder
-from pagedllm.model.loader import resolve_model_folder
+from pagedllm.model.locate import resolve_model_folder
 from pagedllm.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger(__name__)

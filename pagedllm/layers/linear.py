@@ -1,7 +1,7 @@
 """Projections, whole or split for tensor parallelism, that run fast on CPU.
 
 A projection delegates how it holds and computes with its weight to its LinearMethod
-(quantization/linear_method.py): float, or in quantized blocks for the integer kernel. Loading
+(layers/linear_method.py): float, or in quantized blocks for the integer kernel. Loading
 hands each checkpoint part to the method, which may hand the weight to another (a part that loads
 quantized, a float part beside quantized ones); `choose_impl` has the method pack the weight once,
 and forward calls the function it chose. Nothing here branches on how the weight is held.
@@ -20,8 +20,7 @@ from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.float_paths import cpu_linear, cpu_paths, onednn_linear, pack_onednn
 from pagedllm.layers.linear_dispatch import LinearDispatch, LinearImpl
-from pagedllm.layers.quantization import BlockQuantized
-from pagedllm.quantization.linear_method import (
+from pagedllm.layers.linear_method import (
     BlockQuantizedLinearMethod,
     FloatLinearMethod,
     LinearMethod,
@@ -30,6 +29,7 @@ from pagedllm.quantization.linear_method import (
     copy_weight,
     rows_of,
 )
+from pagedllm.layers.quantization import BlockQuantized
 
 __all__ = [  # the float CPU paths and loading helpers, where callers have always found them
     "Linear",

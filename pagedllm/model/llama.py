@@ -113,7 +113,7 @@ class LlamaForCausalLM(DirectCall, nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    """Checkpoint projection -> (our fused projection, its index in it): model/loader.py's map."""
+    """Checkpoint projection -> (our fused projection, its index in it): pagedllm/model_loader.py's map."""
     decoder_layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
     """The layer a variant builds on this model (Qwen3ForCausalLM: its own, model/qwen3.py)."""
 

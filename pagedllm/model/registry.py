@@ -1,7 +1,7 @@
 """The models pagedllm runs: config.json's architecture -> the class that runs it, in one table.
 
 A new architecture is one row here (and its model file). model/config_reader.py reads the names to
-accept a config; the loader's `model_class` imports the class a row names. Rows name a module rather
+accept a config; model_loader.py's `model_class` imports the class a row names. Rows name a module rather
 than import it, so this table is data alone: the config's reader and checkers read it without
 importing a model (vLLM's registry does the same, for the same reason). Image-and-text checkpoints
 served as their language model are here too, with the rule that names their tensors as the text

@@ -18,9 +18,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from pagedllm.layers.linear_method import Loaded
 from pagedllm.model.checkpoint_quant import CheckpointQuantization, iter_checkpoint_weights
 from pagedllm.model.config import ModelConfig
-from pagedllm.quantization.linear_method import Loaded
 
 
 class QuantizationMethod(ABC):

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
+from pagedllm.layers.linear_method import Loaded
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, EncodedRows, quantize
 from pagedllm.model.checkpoint_quant import CheckpointQuantization, Scheme
 from pagedllm.model.config import ModelConfig
 from pagedllm.quantization.base import HeldByCheckpoint, iter_safetensors
-from pagedllm.quantization.linear_method import Loaded
 
 logger = logging.getLogger(__name__)
 

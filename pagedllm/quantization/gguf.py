@@ -6,10 +6,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pagedllm.layers.linear_method import Loaded
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.config_reader import gguf_source
 from pagedllm.quantization.base import QuantizationMethod
-from pagedllm.quantization.linear_method import Loaded
 
 
 class GGUF(QuantizationMethod):

@@ -8,9 +8,9 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixProposer
+from pagedllm.speculative_config import SpeculativeConfig
 
 
 class Proposer(Protocol):

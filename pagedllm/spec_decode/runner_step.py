@@ -26,8 +26,8 @@ from pagedllm.core.outputs import TokenLogprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.rejection import RejectionSampler
 from pagedllm.sample.sampler import Sampler
-from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import Proposer
+from pagedllm.speculative_config import SpeculativeConfig
 
 
 class DraftBatch(Protocol):

@@ -24,9 +24,9 @@ from pagedllm.attention.backend import AttentionBackend, select_backend
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
-from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import make_proposer
 from pagedllm.spec_decode.runner_step import SpecDecodeStep, first_logits_rows
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output.bitmask import GrammarBitmask, apply_bitmask
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_builder import ModelInput, build_model_input

@@ -24,7 +24,8 @@ from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOu
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.loader import load_model, resolve_dtype
+from pagedllm.model.locate import resolve_dtype
+from pagedllm.model_loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.bitmask import GrammarBitmask
 from pagedllm.worker.cpu_allocator import keep_freed_memory

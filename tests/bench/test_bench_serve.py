@@ -17,7 +17,7 @@ from pagedllm.bench.serve_metrics import RequestRecord, ServeResult
 from pagedllm.bench.serve_report import summary_table
 from pagedllm.entrypoints.cli.main import build_parser
 from pagedllm.entrypoints.cli.main import main as cli
-from pagedllm.model.loader import resolve_model_folder
+from pagedllm.model.locate import resolve_model_folder
 from pagedllm.tokenizer import load_tokenizer
 
 from ..helpers import RemoteServer, server_engine_args

@@ -22,7 +22,7 @@ from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.distributed import shm_all_reduce
 from pagedllm.kernels import cpu_ops
 from pagedllm.model.gguf_convert import converted_folder
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.locate import default_model_path
 from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
 
 from ..helpers import write_tiny_gguf

@@ -29,7 +29,7 @@ from pagedllm.entrypoints.cli import chat
 from pagedllm.entrypoints.cli.generate import reply_text
 from pagedllm.entrypoints.cli.main import COMMANDS, build_parser, main
 from pagedllm.entrypoints.openai import server_config
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.locate import default_model_path
 
 from ..helpers import RemoteServer, die_with_parent, hears_ctrl_c, server_engine_args
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pagedllm.model.gguf_file import LONGEST_ARRAY_READ, read_gguf
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.locate import default_model_path
 
 SCALARS = {
     "t.u8": (7, gguf.GGUFValueType.UINT8),

@@ -23,9 +23,10 @@ import torch
 from pagedllm.model.config_reader import GGUF_SOURCE, model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
 from pagedllm.model.gguf_convert import gguf_hf_config
-from pagedllm.model.loader import load_model, resolve_model_folder
+from pagedllm.model.locate import resolve_model_folder
+from pagedllm.model_loader import load_model
 from pagedllm.planner import plan_capacity, read_model_config
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.speculative_config import SpeculativeConfig
 
 from ..hostile_files import all_cases, base_spec, build_gguf, write_hf
 

@@ -15,7 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import add_engine_args, engine_config_from_args
 from pagedllm.entrypoints.cli.main import main
 from pagedllm.model.hub import HubModelNotFoundError
-from pagedllm.model.loader import (
+from pagedllm.model.locate import (
     default_model_path,
     locate_model,
     resolve_model_folder,

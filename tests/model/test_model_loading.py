@@ -18,7 +18,8 @@ from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.config_reader import SUPPORTED_ARCHITECTURES, model_config_from_folder
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
-from pagedllm.model.loader import MODEL_CLASSES, default_model_path
+from pagedllm.model.locate import default_model_path
+from pagedllm.model.registry import MODELS
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, plan_kv_cache
 
@@ -49,7 +50,7 @@ def test_gguf_weights_as_read_equal_transformers_gguf_weights(reference):
 
 
 def test_every_supported_architecture_has_a_model_class():
-    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
 
 
 def test_default_model_config_and_kv_size_match_vllm_report():

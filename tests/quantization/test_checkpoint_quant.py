@@ -20,7 +20,7 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.checkpoint_quant import iter_checkpoint_weights
 from pagedllm.model.config_reader import model_config_from_folder
-from pagedllm.model.loader import check_quantization
+from pagedllm.model_loader import check_quantization
 from pagedllm.planner import weights_by_format
 from pagedllm.quantization.registry import read_checkpoint_quantization
 

@@ -22,7 +22,7 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import BlockQuantized, join_rows, quantize
 from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
-from pagedllm.model.loader import check_quantization
+from pagedllm.model_loader import check_quantization
 from pagedllm.planner import weights_by_format
 from pagedllm.quantization.fp8 import FORMAT, iter_fp8_weights
 from pagedllm.quantization.registry import model_quantization, read_checkpoint_quantization

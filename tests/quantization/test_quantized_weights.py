@@ -16,14 +16,15 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import Quantization
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.linear_method import BlockQuantizedLinearMethod, FloatLinearMethod
 from pagedllm.layers.quantization import BlockQuantized, join_rows, quantize
 from pagedllm.model.checkpoint_quant import CheckpointQuantization, Scheme
 from pagedllm.model.gguf_weights import read_tensor
-from pagedllm.model.loader import check_quantization, default_model_path
+from pagedllm.model.locate import default_model_path
+from pagedllm.model_loader import check_quantization
 from pagedllm.planner import gguf_weights_by_format
 from pagedllm.quantization import registry
 from pagedllm.quantization.base import HeldByCheckpoint
-from pagedllm.quantization.linear_method import BlockQuantizedLinearMethod, FloatLinearMethod
 from pagedllm.quantization.registry import QUANTIZATION_METHODS
 
 from ..helpers import (

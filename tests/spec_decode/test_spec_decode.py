@@ -23,8 +23,8 @@ from pagedllm.request import RequestStatus
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.rejection import RejectionSampler
 from pagedllm.sample.sampler import Sampler
-from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.speculative_config import SpeculativeConfig
 
 from ..helpers import TEST_ENGINE_ARGS, FreeRows, fake_run, make_request, make_scheduler, rows_free
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 
 from pagedllm.analysis.prefix_report import analyze_prompts, format_report
-from pagedllm.model.loader import resolve_model_folder
+from pagedllm.model.locate import resolve_model_folder
 from pagedllm.tokenizer import load_tokenizer, workload_turns
 from pagedllm.workload import Conversation, load_workload
 

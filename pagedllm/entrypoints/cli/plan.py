@@ -8,12 +8,8 @@ from typing import get_args
 
 from pagedllm.config import DType, KVCacheDType, Quantization, parse_memory_size
 from pagedllm.model.errors import ModelLoadError
-from pagedllm.model.loader import (
-    check_quantization,
-    checkpoint_quantization,
-    locate_model,
-    model_display_name,
-)
+from pagedllm.model.locate import locate_model, model_display_name
+from pagedllm.model_loader import check_quantization, checkpoint_quantization
 from pagedllm.planner import (
     WHAT_IF_KV_CACHE_DTYPES,
     CapacityPlan,
