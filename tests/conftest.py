@@ -78,6 +78,13 @@ class Reference:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return self.model(torch.tensor([token_ids])).logits[0].float()
 
+    @torch.inference_mode()
+    def extend(self, token_ids: list[int], cache: object = None) -> tuple[torch.Tensor, object]:
+        """The float32 logits at the last of `token_ids`, appended to the run whose KV cache is
+        `cache` (None: a new run), and the cache to go on with: a step costs one token's forward."""
+        out = self.model(torch.tensor([token_ids]), past_key_values=cache, use_cache=True)
+        return out.logits[0, -1:].float(), out.past_key_values
+
 
 @pytest.fixture(scope="session")
 def reference() -> Reference:

@@ -54,7 +54,7 @@ def test_7b_by_numbers_checks_by_hand(capsys):
     assert plan_json(capsys, *LLAMA_7B, *on_24gb)["kv_cache_tokens"] == 15_488
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("int8", marks=pytest.mark.slow)])
 def test_planner_blocks_equal_what_the_engine_allocates(llm, kv_cache_dtype):
     engine_llm = llm if kv_cache_dtype == "auto" else LLM(**TEST_ENGINE_ARGS, kv_cache_dtype=kv_cache_dtype)
     engine = engine_llm.llm_engine

@@ -203,6 +203,7 @@ def test_the_renders_of_other_threads_keep_their_own_budgets(tokenizer, max_char
             bomb.result(timeout=30)
 
 
+@pytest.mark.slow  # a render that runs to its budget
 def test_a_bystanders_encode_does_not_wait_behind_a_render(tokenizer):
     """The server's AsyncTokenizer renders templates on threads apart from tokenizing: an encode
     sent while a template runs to its budget is answered while that render still runs."""
@@ -228,6 +229,7 @@ def test_a_bystanders_encode_does_not_wait_behind_a_render(tokenizer):
     asyncio.run(run())
 
 
+@pytest.mark.slow  # templates that run to their budget
 def test_offline_chat_has_the_servers_budget_and_bound(llm, monkeypatch):
     """LLM.chat renders the model's own template, which is untrusted: a runaway one is a ValueError."""
     tokenizer = llm.get_tokenizer()

@@ -218,6 +218,7 @@ def test_int8_preemption_finishes_with_the_same_outputs(int8_llm):
     pool.check_integrity()
 
 
+@pytest.mark.slow  # an engine of its own; the fast set keeps int8 end to end
 def test_fp8_alias_runs_e4m3_end_to_end():
     with pagedllm_log_lines() as lines:  # not caplog: LLM() stops pagedllm's records propagating
         fp8 = LLM(**TEST_ENGINE_ARGS, kv_cache_dtype="fp8")

@@ -124,6 +124,7 @@ def test_corrupted_and_foreign_files_are_refused(tmp_path, llm, caplog):
         assert disk_store(restarted).num_refused == 1
 
 
+@pytest.mark.slow  # writes the disk tier past its bound
 def test_the_directory_stays_within_its_bound(tmp_path):
     llm = engine(tmp_path, kv_offload_max_bytes=3 * 16 * 46_080 + 3 * 200)  # three float32 blocks
     run(llm)

@@ -355,6 +355,7 @@ def test_history_truncation_tokenizes_once_and_renders_a_few_times():
     assert calls == {"count": 1, "render": 0}
 
 
+@pytest.mark.slow  # a long prompt prefilled whole
 def test_truncate_prompt_tokens_minus_one_leaves_room_to_generate(server):
     """vLLM's -1, "truncate to the model's length", once kept max_model_len tokens: no room, a 400."""
     text = "The history of paged memory. " * 300  # over max_model_len

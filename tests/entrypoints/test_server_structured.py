@@ -56,6 +56,7 @@ def json_schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 
 
+@pytest.mark.slow  # three constrained replies, streamed and not; the fast set keeps the tool tests
 def test_chat_json_schema_whole_streamed_and_n(client):
     whole = chat(client, response_format=json_schema_format(PERSON), n=2, seed=3)
     for choice in whole.choices:

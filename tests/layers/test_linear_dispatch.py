@@ -227,6 +227,7 @@ def test_choose_impls_times_each_shape_once_and_logs_the_choice(tmp_path, monkey
 PROMPTS = ["The capital of France is", "word " * 40 + "number 7:"]
 
 
+@pytest.mark.slow  # an engine per CPU path
 def test_every_path_gives_the_auto_path_s_greedy_tokens():
     """The default model in float32, greedy: the same tokens whatever computes the projections."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

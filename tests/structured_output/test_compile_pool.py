@@ -98,6 +98,7 @@ def test_recursive_schemas_compile():
     run(body)
 
 
+@pytest.mark.slow  # idle workers killed or stopped and replaced
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["died", "hung"])
 def test_a_worker_that_died_or_hung_while_idle_is_replaced_not_blamed(how):
     async def body(pool: GrammarCompilePool) -> None:
@@ -119,6 +120,7 @@ def test_a_worker_that_dies_compiling_once_is_retried():
     run(body)
 
 
+@pytest.mark.slow  # a worker killed twice; the fast set keeps one killed once and retried
 def test_a_grammar_that_kills_its_worker_twice_is_a_400():
     async def body(pool: GrammarCompilePool) -> None:
         with pytest.raises(ValueError, match="died compiling it twice"):
@@ -136,6 +138,7 @@ def test_workers_that_cannot_start_are_a_503_not_a_400():
     run(body, worker_module="tests.no_such_compile_worker")
 
 
+@pytest.mark.slow  # compiles that run to their time budget
 def test_a_clients_slow_compiles_leave_a_worker_to_another_client():
     """Client A holds two slow (legal) compiles; client B's trivial regex is answered before
     either of them, not queued behind them."""

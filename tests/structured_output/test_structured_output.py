@@ -92,9 +92,9 @@ def test_greedy_constrained_tokens_equal_transformers_under_the_same_mask(llm, r
         xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(PERSON), any_whitespace=False)
     )
     bitmask = xgrammar.allocate_token_bitmask(1, vocab)
-    ids, ref = list(prompt_ids), []
+    logits, cache = reference.extend(prompt_ids)
+    ref: list[int] = []
     while not matcher.is_terminated() and len(ref) < 64:
-        logits = reference.logits(ids)[-1:].clone()
         matcher.fill_next_token_bitmask(bitmask)
         xgrammar.apply_token_bitmask_inplace(logits, bitmask)
         top2 = logits[0].topk(2).values
@@ -107,10 +107,11 @@ def test_greedy_constrained_tokens_equal_transformers_under_the_same_mask(llm, r
             return  # a near tie: the comparison ends there
         assert matcher.accept_token(token)
         ref.append(token)
-        ids.append(token)
+        logits, cache = reference.extend([token], cache)
     assert ours_ids == ref
 
 
+@pytest.mark.slow  # four sampled replies of 64 tokens; the greedy test checks the path against transformers
 def test_sampled_choices_follow_the_grammar(llm):
     params = SamplingParams(
         n=4,
