@@ -25,7 +25,7 @@ from pagedllm.model.checkpoint_quant import CheckpointQuantization
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import ModelLoadError, loading, one_line
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.registry import MODELS, language_model_name
+from pagedllm.model.registry import MODELS, checkpoint_tensor_name
 from pagedllm.quantization import registry
 from pagedllm.quantization.base import (
     HeldByCheckpoint,
@@ -146,7 +146,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
     loaded: set[str] = set()
     not_loaded = 0
     for checkpoint_name, tensor in _experts_apart(weights):
-        hf_name = language_model_name(checkpoint_name)
+        hf_name = checkpoint_tensor_name(checkpoint_name, model.config.architecture)
         if hf_name is None:
             not_loaded += 1
             continue

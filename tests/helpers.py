@@ -473,22 +473,27 @@ def _default_tokenizer_fields() -> list[tuple]:
 
 
 def write_tiny_gguf(model, path, types: dict | None = None) -> None:
-    """A transformers Llama, Qwen3, Qwen3-MoE or Gemma 3 `model` as llama.cpp lays out its GGUF,
+    """A transformers Llama, Qwen3, Qwen3-MoE, Mixtral or Gemma 3 `model` as llama.cpp lays out its GGUF,
     with the default model's tokenizer metadata. `types`: GGML type by GGUF tensor kind
     (token_embd, attn_q, attn_v, ffn_down, ffn_up_exps, ...; F32 where none is named), quantized
     with the `gguf` package; norms F32 (Gemma's stored as 1 + weight, as llama.cpp's converter
     does). Llama's Q/K rows are permuted as llama.cpp's converter does (Qwen3's and Gemma's
-    rotary is NEOX: none). Qwen3-MoE's experts are stacked per projection, [experts, rows,
-    columns], as llama.cpp's converter stacks them; a layer transformers keeps dense (its
-    mlp_only_layers) keeps its ffn_gate/up/down, which llama.cpp itself would not load."""
+    rotary is NEOX: none). Qwen3-MoE's and Mixtral's experts are stacked per projection, [experts,
+    rows, columns], as llama.cpp's converter stacks them; a layer transformers keeps dense (its
+    mlp_only_layers) keeps its ffn_gate/up/down, which llama.cpp itself would not load. Mixtral is
+    written as llama.cpp writes it: a "llama" file with an expert count, no expert width."""
     import gguf
     import numpy as np
 
     types = types or {}
     config = model.config
-    arch = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}[
-        config.model_type
-    ]
+    arch = {
+        "llama": "llama",
+        "mixtral": "llama",
+        "qwen3": "qwen3",
+        "qwen3_moe": "qwen3moe",
+        "gemma3_text": "gemma3",
+    }[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -509,9 +514,10 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     else:
         rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
-    if arch == "qwen3moe":
+    if config.model_type in ("qwen3_moe", "mixtral"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == "qwen3moe":
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     for key, value, value_type, sub_type in _default_tokenizer_fields():
         writer.add_key_value(key, value, value_type, sub_type)

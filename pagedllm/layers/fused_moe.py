@@ -29,16 +29,18 @@ from pagedllm.layers.quantization import BlockQuantized
 
 
 def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, float32_weights: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [num_tokens, num_experts] -> (weights, expert ids), each [num_tokens, top_k]:
     the top-k of the softmax in float32 (ties as torch.topk breaks them), renormalized to sum to 1
-    where `renormalize`, the weights in the logits' dtype (transformers' Qwen3MoeTopKRouter)."""
+    where `renormalize`, the weights in the logits' dtype (transformers' Qwen3MoeTopKRouter), or
+    left in float32 where `float32_weights` (its MixtralTopKRouter: each expert's output is then
+    weighted in float32 and rounded once to the hidden dtype)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, expert_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), expert_ids
+    return (weights if float32_weights else weights.to(router_logits.dtype)), expert_ids
 
 
 class Router(DirectCall, nn.Module):

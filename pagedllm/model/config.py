@@ -1,5 +1,6 @@
-"""ModelConfig: the shape of a Llama-family, Gemma 3 or Qwen3-MoE model, as data, and what follows
-from it (the projections' sizes, the parameters, which tensor-parallel sizes split it, the context).
+"""ModelConfig: the shape of a Llama-family, Gemma 3, Qwen3-MoE or Mixtral model, as data, and what
+follows from it (the projections' sizes, the parameters, which tensor-parallel sizes split it, the
+context).
 
 Names are Hugging Face's config.json's, so a config and its weights map one to one. A ModelConfig
 is made by model/config_reader.py, which reads config.json (or a GGUF's metadata, translated into
@@ -45,11 +46,13 @@ class ModelConfig:
     """Gemma: attention scores scaled by this ** -0.5 instead of head_dim ** -0.5."""
     num_experts: int | None = None
     """A mixture-of-experts model's experts on each sparse layer (None: a dense model). The sizes
-    below are set together with it, as transformers' Qwen3MoeConfig names them."""
+    below are set together with it, as transformers' Qwen3MoeConfig names them (a Mixtral config's
+    are read into the same fields: model/config_reader.py)."""
     num_experts_per_tok: int | None = None
     """The experts each token is routed to (top-k of the router's softmax)."""
     moe_intermediate_size: int | None = None
-    """Each expert's gated MLP width (the dense layers' is intermediate_size)."""
+    """Each expert's gated MLP width (the dense layers' is intermediate_size; Mixtral's experts are
+    of intermediate_size, and all its layers sparse)."""
     norm_topk_prob: bool = False
     """The chosen experts' weights renormalized to sum to 1."""
     decoder_sparse_step: int = 1

@@ -87,8 +87,8 @@ def _from_checked_dict(config: dict[str, Any], generation_config: dict[str, Any]
         rope_scaling, rope_theta = own_fields.pop("rope_scaling"), own_fields.pop("rope_theta")
     else:
         own_fields = {"layer_windows": _layer_windows(arch, config)}
-    if arch == "Qwen3MoeForCausalLM":
-        own_fields |= _moe_settings(config)
+    if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        own_fields |= _moe_settings(arch, config)
     return ModelConfig(
         architecture=arch,
         vocab_size=config["vocab_size"],
@@ -142,9 +142,13 @@ def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float
 
 def _layer_windows(architecture: str, config: dict[str, Any]) -> tuple[int | None, ...] | None:
     """Which layers slide, and by how much, as transformers' Mistral and Qwen2 / Qwen3 decide it
-    (their config classes' defaults included: sliding_window 4096, max_window_layers 28); Llama
-    has no window, whatever its config says."""
+    (their config classes' defaults included: sliding_window 4096, max_window_layers 28), and
+    Mixtral (every layer, where its config sets one: MixtralConfig's default is none); Llama has
+    no window, whatever its config says."""
     num_layers = config["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":
+        window = config.get("sliding_window")
+        return None if window is None else (window,) * num_layers
     window = config.get("sliding_window", 4096)
     if architecture == "MistralForCausalLM":
         return None if window is None else (window,) * num_layers
@@ -162,11 +166,24 @@ def _layer_windows(architecture: str, config: dict[str, Any]) -> tuple[int | Non
     return windows if any(windows) else None
 
 
-def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen3-MoE config's expert fields (checked by type and range already): the three sizes
-    every such config.json states, the rest with transformers' defaults. The experts' count is
-    num_experts in the released configs, num_local_experts where transformers 5 saved the config
-    (its attribute_map's name for the same field)."""
+def _moe_settings(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts config's expert fields (checked by type and range already). Qwen3-MoE:
+    the three sizes every such config.json states, the rest with transformers' defaults. Mixtral:
+    every layer sparse, its experts of intermediate_size, their weights always renormalized (its
+    config has no field for these), and transformers' 8 experts, top-2 where the file leaves them
+    out. The experts' count is num_experts in Qwen3-MoE's released configs, num_local_experts in
+    Mixtral's and where transformers 5 saved a Qwen3-MoE config (its attribute_map's name for the
+    same field)."""
+    if architecture == "MixtralForCausalLM":
+        fixed = {
+            "moe_intermediate_size": config["intermediate_size"],
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        given = {name: value for name, value in config.items() if value is not None}
+        experts = given.get("num_local_experts", given.get("num_experts", 8))
+        config = {"num_local_experts": experts, "num_experts_per_tok": 2} | given | fixed
     named = {config.get(name) for name in ("num_experts", "num_local_experts")} - {None}
     if len(named) > 1:
         raise ValueError(
@@ -179,7 +196,7 @@ def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name} is missing; a mixture-of-experts model's config states it")
     activation = config.get("hidden_act", "silu")
     if activation != "silu":
-        raise ValueError(f"hidden_act {activation!r} is not supported (Qwen3-MoE's experts: silu)")
+        raise ValueError(f"hidden_act {activation!r} is not supported (the experts pagedllm runs: silu)")
     return {
         "num_experts": config["num_experts"],
         "num_experts_per_tok": config["num_experts_per_tok"],

@@ -52,11 +52,13 @@ _MOE_LAYER_TENSORS = _LAYER_TENSORS | {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-"""Qwen3-MoE's router, and its experts stacked one 3-D tensor per projection [experts, rows,
-columns] under the name llama.cpp's converter gives the stack (gguf_weights.py splits it)."""
+"""Qwen3-MoE's and Mixtral's router, and their experts stacked one 3-D tensor per projection
+[experts, rows, columns] under the name llama.cpp's converter gives the stack (gguf_weights.py
+splits it)."""
 _ARCHITECTURE_LAYER_TENSORS = {
     "Gemma3ForCausalLM": _GEMMA3_LAYER_TENSORS,
     "Qwen3MoeForCausalLM": _MOE_LAYER_TENSORS,
+    "MixtralForCausalLM": _MOE_LAYER_TENSORS,
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -21,6 +21,10 @@ from pagedllm.model.registry import MODELS
 
 ARCHITECTURES = {entry.gguf_architecture: name for name, entry in MODELS.items() if entry.gguf_architecture}
 """general.architecture -> config.json's architecture (model/registry.py's rows)."""
+EXPERTS_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
+"""general.architecture -> the architecture a file of it is where its layers hold experts
+(`<arch>.expert_count` above 0): llama.cpp writes Mixtral as "llama" (its graph builds a mixture
+of experts wherever a layer has a router), so the expert count is all that tells the two apart."""
 FIELD_KEYS = {
     "num_hidden_layers": "block_count",
     "hidden_size": "embedding_length",
@@ -36,6 +40,7 @@ FIELD_KEYS = {
     "vocab_size": "vocab_size",
     "layer_types": "attention.sliding_window_pattern",
     "num_experts": "expert_count",
+    "num_local_experts": "expert_count",
     "num_experts_per_tok": "expert_used_count",
     "moe_intermediate_size": "expert_feed_forward_length",
 }
@@ -83,9 +88,18 @@ class MetadataReader:
         }
 
 
+def model_architecture(metadata: MetadataReader, arch: str) -> str:
+    """config.json's architecture for a file of general.architecture `arch` (an ARCHITECTURES key):
+    its row's, or EXPERTS_ARCHITECTURES' where the file states experts."""
+    if arch in EXPERTS_ARCHITECTURES and (metadata.integer(f"{arch}.expert_count", None) or 0) > 0:
+        return EXPERTS_ARCHITECTURES[arch]
+    return ARCHITECTURES[arch]
+
+
 def hf_config(metadata: MetadataReader, arch: str) -> dict[str, Any]:
     """The config.json of `arch`'s metadata, its fields checked before any is used to size a loop."""
     p, path = f"{arch}.", metadata.path
+    architecture = model_architecture(metadata, arch)
     num_heads = metadata.integer(p + "attention.head_count")
     hidden = metadata.integer(p + "embedding_length")
     # Qwen3 states head_dim (key_length), which need not be hidden / heads; where neither is
@@ -98,8 +112,8 @@ def hf_config(metadata: MetadataReader, arch: str) -> dict[str, Any]:
     if vocab is None:
         raise ModelLoadError(f"{path}: neither {p}vocab_size nor tokenizer.ggml.tokens says the vocabulary")
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": MODELS[ARCHITECTURES[arch]].model_type,  # qwen3moe's is qwen3_moe
+        "architectures": [architecture],
+        "model_type": MODELS[architecture].model_type,  # qwen3moe's is qwen3_moe
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": metadata.integer(p + "feed_forward_length", _dense_width(metadata, arch)),
@@ -129,6 +143,9 @@ def hf_config(metadata: MetadataReader, arch: str) -> dict[str, Any]:
         config |= _gemma3_config(metadata, config)
     if arch == "qwen3moe":
         config |= _qwen3moe_config(metadata)
+    if architecture == "MixtralForCausalLM":  # all layers sparse, experts of feed_forward_length
+        config["num_local_experts"] = metadata.integer(p + "expert_count")
+        config["num_experts_per_tok"] = metadata.integer(p + "expert_used_count")
     for tensor in metadata.contents.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1+: per-frequency divisors
             if len(tensor.shape) != 1 or tensor.shape[0] > MODEL_BOUNDS["head_dim"][1]:

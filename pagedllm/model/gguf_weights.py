@@ -36,6 +36,9 @@ from pagedllm.model.gguf_convert import hf_tensor_name, unpermute_rotary_rows
 from pagedllm.model.gguf_file import GGUFTensor, read_tensor_directory
 
 Weight = torch.Tensor | BlockQuantized
+PERMUTED_ROTARY = ("LlamaForCausalLM", "MixtralForCausalLM")
+"""The architectures a "llama" GGUF is read as (model/gguf_metadata.py), whose Q and K rows
+llama.cpp's converter permuted for its rotary layout."""
 
 
 def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
@@ -54,7 +57,7 @@ def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[st
             and name.endswith("norm.weight")
         ):
             weight = weight - 1.0  # llama.cpp stores Gemma's norms as 1 + weight, the checkpoint's weight
-        if config.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.architecture in PERMUTED_ROTARY and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             order = torch.from_numpy(unpermute_rotary_rows(np.arange(weight.shape[0]), heads))
             weight = weight.permute_rows(order) if isinstance(weight, BlockQuantized) else weight[order]

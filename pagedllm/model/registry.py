@@ -5,7 +5,8 @@ accept a config; model_loader.py's `model_class` imports the class a row names. 
 than import it, so this table is data alone: the config's reader and checkers read it without
 importing a model (vLLM's registry does the same, for the same reason). Image-and-text checkpoints
 served as their language model are here too, with the rule that names their tensors as the text
-model's (`language_model_name`).
+model's (`language_model_name`), and a row may rename a checkpoint's tensors to the names its model
+loads (`checkpoint_tensor_name`: released Mixtral checkpoints' block_sparse_moe.experts.E.w1).
 """
 
 from __future__ import annotations
@@ -24,7 +25,20 @@ class ModelEntry:
     """config.json's model_type for it."""
     gguf_architecture: str | None = None
     """A GGUF's general.architecture read as this architecture (None: none is; a Mistral GGUF says
-    llama)."""
+    llama, and so does a Mixtral one, whose experts tell it apart: gguf_metadata.EXPERTS_ARCHITECTURES)."""
+    renames: tuple[tuple[str, str], ...] = ()
+    """(old, new) parts of a checkpoint's tensor names, replaced in order: the names its released
+    checkpoints give tensors that its model, as transformers 5 does, names otherwise."""
+
+
+_MIXTRAL_RENAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.weight", ".gate_proj.weight"),
+    (".w3.weight", ".up_proj.weight"),
+    (".w2.weight", ".down_proj.weight"),
+)
+"""Mixtral-8x7B's files: block_sparse_moe.gate (the router) and block_sparse_moe.experts.E.w1 / w3 /
+w2 (gate, up, down), which transformers 5's conversion mapping loads as mlp.gate and mlp.experts."""
 
 
 MODELS: dict[str, ModelEntry] = {
@@ -33,6 +47,7 @@ MODELS: dict[str, ModelEntry] = {
     "Qwen2ForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "qwen2", "qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3"),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe"),
+    "MixtralForCausalLM": ModelEntry("mixtral", "MixtralForCausalLM", "mixtral", renames=_MIXTRAL_RENAMES),
     "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", "gemma3", "gemma3"),
 }
 """config.json's architecture -> its model. Every model is the Llama layout or a subclass of it."""
@@ -57,3 +72,14 @@ def language_model_name(checkpoint_name: str) -> str | None:
             rest = checkpoint_name.removeprefix(prefix)
             return rest if rest.startswith(("model.", "lm_head.")) else f"model.{rest}"
     return checkpoint_name
+
+
+def checkpoint_tensor_name(checkpoint_name: str, architecture: str) -> str | None:
+    """A checkpoint's tensor under the Hugging Face name the loader maps for `architecture` (a
+    MODELS key): language_model_name's, then the row's renames; None where it is not loaded."""
+    name = language_model_name(checkpoint_name)
+    if name is None:
+        return None
+    for old, new in MODELS[architecture].renames:
+        name = name.replace(old, new)
+    return name

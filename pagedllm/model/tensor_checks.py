@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import ModelLoadError, read_json
-from pagedllm.model.registry import language_model_name
+from pagedllm.model.registry import checkpoint_tensor_name
 
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 2**20
 """The safetensors format's own limit on its JSON header."""
@@ -145,7 +145,7 @@ def check_checkpoint_tensors(folder: Path, config: ModelConfig) -> None:
     if files:
         for file in files:
             for name, shape in read_safetensors_header(file).items():
-                hf_name = language_model_name(name)
+                hf_name = checkpoint_tensor_name(name, config.architecture)
                 if hf_name is not None:
                     named.append((hf_name, shape, name))
         check_tensors_against_config(named, config, str(folder))
@@ -156,7 +156,7 @@ def check_checkpoint_tensors(folder: Path, config: ModelConfig) -> None:
         weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index}: no weight_map object of tensor names")
-        listed = [(language_model_name(name), None, name) for name in weight_map]
+        listed = [(checkpoint_tensor_name(name, config.architecture), None, name) for name in weight_map]
         check_tensors_against_config(
             [(hf_name, None, name) for hf_name, _, name in listed if hf_name is not None], config, str(index)
         )

@@ -1,0 +1,63 @@
+"""Mixtral (Mixtral-8x7B, 8x22B): Llama's layers (model/llama.py: no query or key norms) with every
+layer's MLP a sparse mixture of experts: num_local_experts SiLU-gated experts of intermediate_size,
+each token routed to num_experts_per_tok of them (two in the released models).
+
+The router is Mixtral's rule, as transformers' MixtralTopKRouter computes it: softmax over the
+logits in float32, top-k, the k weights always renormalized to sum to 1 and kept in float32 (Qwen3-MoE
+renormalizes where its config says and casts them to the hidden dtype). The experts are
+layers/fused_moe.py's, grouped by expert. Every layer slides over sliding_window keys where the
+config sets one (the released 8x7B's is null), as transformers' Mixtral attention does.
+
+Checkpoints name the block block_sparse_moe and its experts' projections w1 (gate), w3 (up), w2
+(down); model/registry.py's row renames them to mlp.gate and mlp.experts.E.gate_proj / up_proj /
+down_proj, transformers 5's names, which this model's modules take. llama.cpp writes Mixtral as a
+"llama" GGUF with experts (model/gguf_metadata.py reads it as this model), its experts stacked one
+3-D tensor per projection and read per expert in their blocks (model/gguf_weights.py).
+
+Tensor parallelism is not offered yet, as for Qwen3-MoE: ModelConfig.check_tensor_parallel_size
+refuses it first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.layers.direct_call import DirectCall
+from pagedllm.layers.fused_moe import FusedMoE, Router, select_experts
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+__all__ = ["MixtralForCausalLM"]
+
+
+class MixtralSparseMoeBlock(DirectCall, nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.num_experts and config.num_experts_per_tok  # model/config_reader.py sets them
+        self.top_k = config.num_experts_per_tok
+        self.gate = Router(config.num_experts, config.hidden_size)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+        logits = self.gate(hidden)  # [num_tokens, num_experts]
+        topk_weights, topk_ids = select_experts(logits, self.top_k, renormalize=True, float32_weights=True)
+        return self.experts(hidden, topk_weights, topk_ids)
+
+
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with the sparse block in place of its MLP, on every layer."""
+
+    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
+        return MixtralSparseMoeBlock(config)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    decoder_layer_class = MixtralDecoderLayer
+
+    def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
+        if tp is not None and tp.world_size > 1:
+            raise ValueError(f"{config.architecture} runs on one rank: its experts are not split over ranks")
+        super().__init__(config, max_position, tp)
