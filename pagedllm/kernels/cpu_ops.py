@@ -414,3 +414,14 @@ def quant_linear(
     share the call (csrc/quant_linear_cpu.cpp). `stream_ahead`: how far ahead the weights are
     prefetched as they stream (0: left to the hardware); it changes the time, never the result."""
     return _ops().quant_linear(x, packed, bits, n, k, bias, stream_ahead)
+
+
+def moe_quant_linear(
+    x: torch.Tensor, packed: list[torch.Tensor], offsets: torch.Tensor, stream_ahead: int = QUANT_STREAM_AHEAD
+) -> torch.Tensor:
+    """A step's experts in one call: rows offsets[g] .. offsets[g + 1] of x [M, K] (grouped by
+    expert) times weight g, each packed by pack_quant_linear (any bits, the same [N, K]) ->
+    [M, N] in x's dtype; every row's result what quant_linear gives it. One parallel region for
+    all the experts (csrc/quant_linear_cpu.cpp), where a call per expert costs a Python call and
+    a region each, and leaves a thread idle while an expert of one row runs."""
+    return _ops().moe_quant_linear(x, packed, offsets, stream_ahead)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import LinearBackend
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.linear_dispatch import LinearDispatch
 
@@ -33,10 +34,14 @@ def choose_impls(
     Projections share one LinearDispatch (`linear_backend`: auto times the paths), which logs
     what they chose."""
     dispatch = LinearDispatch(linear_backend)
-    for module in model.modules():
+    modules = list(model.modules())
+    for module in modules:  # projections first: a layer made of them chooses from what they chose
         if isinstance(module, Linear):
             module.choose_impl(device, dtype, dispatch)
-        elif isinstance(module, ChoosesImpl):
+    for module in modules:
+        if isinstance(module, FusedMoE):
+            module.choose_impl(device, dtype, dispatch)
+        elif isinstance(module, ChoosesImpl) and not isinstance(module, Linear):
             module.choose_impl(device, dtype)
     dispatch.log_summary()
 

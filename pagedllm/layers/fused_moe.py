@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.linear import Loaded, MergedColumnParallelLinear, RowParallelLinear, copy_weight
+from pagedllm.layers.linear_dispatch import LinearDispatch
 from pagedllm.layers.quantization import BlockQuantized
 
 
@@ -81,6 +83,20 @@ class FusedMoE(DirectCall, nn.Module):
         for index, mlp in enumerate(self.expert_mlps):  # named 0, 1, ...: a checkpoint's experts.E.*
             self.add_module(str(index), mlp)
         self.act_fn: nn.Module = SiluAndMul()
+        self.grouped: GroupedExperts | None = None
+        """The experts' packed weights for the grouped kernel, where every one is packed for it."""
+
+    def choose_impl(self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch) -> None:
+        """After the experts' projections have chosen (layers.choose_impls): where each holds one
+        packed quantized weight for the integer kernel, a step's experts run in two grouped calls
+        (gate_up, down) instead of two calls an expert."""
+        projections = [p for mlp in self.expert_mlps for p in (mlp.gate_up_proj, mlp.down_proj)]
+        if all(p.weight_format and "+" not in p.weight_format for p in projections):
+            self.grouped = GroupedExperts(
+                [mlp.gate_up_proj.weight for mlp in self.expert_mlps],
+                [mlp.down_proj.weight for mlp in self.expert_mlps],
+                dispatch.quant_stream_ahead(),
+            )
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -108,17 +124,40 @@ class FusedMoE(DirectCall, nn.Module):
         experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         x = hidden.index_select(0, order // top_k)  # each pair's token row, grouped by expert
         pair_weights = topk_weights.flatten()[order].unsqueeze(1)  # [num_tokens * top_k, 1]
-        y = torch.empty_like(x)  # each pair's weighted output, in the same order
-        start = 0
-        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-            end = start + count
-            mlp = self.expert_mlps[expert]
-            y[start:end] = (
-                mlp.down_proj(self.act_fn(mlp.gate_up_proj(x[start:end]))) * pair_weights[start:end]
-            )
-            start = end
+        if self.grouped is not None:
+            y = self.grouped(x, experts.tolist(), counts, self.act_fn) * pair_weights
+        else:
+            y = torch.empty_like(x)  # each pair's weighted output, in the same order
+            start = 0
+            for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+                end = start + count
+                mlp = self.expert_mlps[expert]
+                y[start:end] = (
+                    mlp.down_proj(self.act_fn(mlp.gate_up_proj(x[start:end]))) * pair_weights[start:end]
+                )
+                start = end
         # where each token's pairs landed; ascending = by expert, as sorted
         where = torch.empty_like(order)
         where[order] = torch.arange(order.numel(), device=order.device)
         where = where.view(num_tokens, top_k).sort(dim=1).values
         return y.index_select(0, where.flatten()).view(num_tokens, top_k, -1).sum(dim=1)
+
+
+class GroupedExperts:
+    """Every expert's packed gate_up and down weights, computed a step at a time by the grouped
+    integer kernel (cpu_ops.moe_quant_linear): one call per projection for all the step's experts,
+    each weight read once, the experts' tasks shared by the threads in one parallel region."""
+
+    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], stream_ahead: int) -> None:
+        self.gate_up, self.down, self.stream_ahead = gate_up, down, stream_ahead
+
+    def __call__(
+        self, x: torch.Tensor, experts: list[int], counts: torch.Tensor, act_fn: nn.Module
+    ) -> torch.Tensor:
+        """x: the pairs' rows grouped by expert, `counts` of them for each of `experts` in turn ->
+        each row's expert output, unweighted."""
+        offsets = F.pad(counts.cumsum(0), (1, 0))
+        gate_up = cpu_ops.moe_quant_linear(x, [self.gate_up[e] for e in experts], offsets, self.stream_ahead)
+        return cpu_ops.moe_quant_linear(
+            act_fn(gate_up), [self.down[e] for e in experts], offsets, self.stream_ahead
+        )

@@ -312,3 +312,45 @@ def test_quant_linear_refuses_bad_input():
         cpu_ops.quant_linear(x, packed[:-64], 4, 32, 64, None)
     with pytest.raises(RuntimeError, match=r"bias must be None or \[N = 32\] of x's dtype"):
         cpu_ops.quant_linear(x, packed, 4, 32, 64, torch.zeros(32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[1] * 8, [3, 0, 1, 9, 2], [40, 1]], ids=["decode", "mixed", "prompt"])
+def test_moe_quant_linear_gives_each_group_what_quant_linear_gives_it(dtype, counts):
+    """A step's experts in one call: each group's rows exactly as a call of its own on its weight
+    (bits and mins differ between the experts here; a group may have no rows)."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 96, 128
+    kinds = [(4, "q4_0"), (8, "none"), (4, "free"), (8, "free")]
+    weights = []
+    for g in range(len(counts)):
+        bits, mins_kind = kinds[g % len(kinds)]
+        q, scales, mins = make_weight(bits, n, k, mins_kind, gen)
+        weights.append((bits, cpu_ops.pack_quant_linear(q, scales, mins, bits)))
+    x = torch.randn(sum(counts), k, generator=gen).to(dtype)
+    offsets = F.pad(torch.tensor(counts).cumsum(0), (1, 0))
+    grouped = cpu_ops.moe_quant_linear(x, [packed for _, packed in weights], offsets)
+    for g, (bits, packed) in enumerate(weights):
+        rows = x[offsets[g] : offsets[g + 1]]
+        alone = cpu_ops.quant_linear(rows, packed, bits, n, k, None)
+        assert torch.equal(grouped[offsets[g] : offsets[g + 1]], alone), g
+
+
+def test_moe_quant_linear_refuses_bad_input():
+    gen = torch.Generator().manual_seed(6)
+    q, scales, mins = make_weight(4, 64, 64, "q4_0", gen)
+    packed = cpu_ops.pack_quant_linear(q, scales, mins, 4)
+    other = cpu_ops.pack_quant_linear(*make_weight(4, 128, 64, "q4_0", gen), 4)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="offsets must run from 0"):
+        cpu_ops.moe_quant_linear(x, [packed], torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="offsets must be int64"):
+        cpu_ops.moe_quant_linear(x, [packed, packed], torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        cpu_ops.moe_quant_linear(x, [packed, packed, packed], torch.tensor([0, 2, 1, 3]))
+    with pytest.raises(RuntimeError, match="weight 1 is"):
+        cpu_ops.moe_quant_linear(x, [packed, other], torch.tensor([0, 1, 3]))
+    with pytest.raises(RuntimeError, match="wrong size for its header"):
+        cpu_ops.moe_quant_linear(x, [packed[:-1].contiguous()], torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="what pack_quant_linear returned"):
+        cpu_ops.moe_quant_linear(x, [torch.zeros(64, dtype=torch.uint8)], torch.tensor([0, 3]))

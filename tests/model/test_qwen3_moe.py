@@ -445,6 +445,27 @@ def test_gguf_experts_kept_in_blocks_agree_with_transformers(quantized_gguf):
     assert first_choices >= 0.8 * len(differences), f"{first_choices} of {len(differences)}"
 
 
+@pytest.mark.skipif(not cpu_ops.serves_quant_linear(4, 64, 64), reason="no integer kernel on this build")
+def test_grouped_expert_kernel_gives_the_per_expert_calls_results(quantized_gguf):
+    """Experts kept in blocks run grouped (cpu_ops.moe_quant_linear: two calls a layer for all the
+    step's experts); a call per expert gives every logprob the same, bit for bit (each row's result
+    is its own, whatever rows share a call), on prompts of many rows and on decode steps."""
+    _, path, _ = quantized_gguf
+    llm = engine(path, quantization=None)
+    blocks = moe_blocks(llm)
+    assert all(block.grouped is not None for block in blocks)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+
+    def run():
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts()], params, use_tqdm=False)
+        return [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    grouped = run()
+    for block in blocks:
+        block.grouped = None
+    assert run() == grouped
+
+
 # ---- the block alone -----------------------------------------------------------------------------
 
 

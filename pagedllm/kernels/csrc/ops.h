@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace pagedllm_ops {
 
@@ -42,6 +43,8 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
                         const std::optional<at::Tensor>& bias, int64_t stream_ahead);
+at::Tensor moe_quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed, const at::Tensor& offsets,
+                            int64_t stream_ahead);
 at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::string& format, int64_t k);
 

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &pagedllm_ops::gelu_tanh_and_mul, Release());
   m.def("few_rows_linear", &pagedllm_ops::few_rows_linear, Release());
   m.def("quant_linear", &pagedllm_ops::quant_linear, Release());
+  m.def("moe_quant_linear", &pagedllm_ops::moe_quant_linear, Release());
   m.def("argmax_rows", &pagedllm_ops::argmax_rows, Release());
   m.def("gguf_rows", &pagedllm_ops::gguf_rows, Release());
 }

@@ -37,6 +37,8 @@
 // pack_quant_linear(q [N, K] int8, scales [N, K / 32] float32, mins same or None, bits, per_token) -> uint8 blob
 // quant_linear(x [M, K] float32 or bfloat16, packed, bits, n, k, bias [N] or None, stream_ahead) -> [M, N],
 // x's dtype (stream_ahead: how far ahead the weights are prefetched, 0: by the hardware alone)
+// moe_quant_linear(x [M, K], packed [G], offsets [G + 1] int64, stream_ahead) -> [M, N]: rows
+// offsets[g] .. offsets[g + 1] of x times weight g (a step's experts, its rows grouped by expert)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,6 +54,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -408,6 +411,16 @@ void tile_rows(int64_t m, const TileArgs& a) {
   T::template run<M, P>(a);
 }
 
+// One product's work, cut into tasks that threads take: a group of 64 columns over a block of rows
+// each. A virtual base, so that one parallel region can run the tasks of several products of
+// different bit widths (moe_quant_linear: a step's experts, one product each).
+struct Tasks {
+  virtual ~Tasks() = default;
+  virtual int64_t count() const = 0;
+  virtual int64_t sums_size() const = 0;  // floats of carried sums a task needs (0: none)
+  virtual void run(int64_t task, float* sums) const = 0;
+};
+
 // Threads take groups, each running its row tiles over the group. Where there are a few (2-6),
 // they take a run of blocks (~32 KiB) at a time: the first tile streams it from memory, the
 // others read it from cache and prefetch the next run meanwhile (a decode step of 4-32 rows:
@@ -418,66 +431,136 @@ void tile_rows(int64_t m, const TileArgs& a) {
 // (layers/linear_dispatch.py). The rows go in blocks where row_blocks.h says (a narrow weight's,
 // to give every thread work; a prompt's, so that its quantized activations stay in cache).
 template <typename T>
-void run_groups(const QuantRows& xq, const at::Tensor& packed, int64_t group_stride, const float* bias,
-                int64_t stream_ahead, at::Tensor& out) {
-  const int64_t rows = out.size(0), n = out.size(1), groups = num_groups(n), blocks = xq.k / kBlock;
-  const int64_t block_stride = group_stride / blocks;
-  const bool few = rows <= T::kFewRows;
-  const int64_t tile_height = xq.tile_height, tile_panels = few ? T::kWide : T::kNarrow;
-  const int64_t row_tiles = (rows + tile_height - 1) / tile_height;
-  const int64_t split = pagedllm_cpu::num_row_blocks(row_tiles, tile_height * xq.k, groups, at::get_num_threads());
-  const int64_t block_rows = (row_tiles + split - 1) / split * tile_height;
-  const int64_t num_blocks = (rows + block_rows - 1) / block_rows;
-  const int64_t tiles_per_task = (block_rows + tile_height - 1) / tile_height;
-  const bool in_runs = tiles_per_task > 1 && tiles_per_task <= 6;
-  const int64_t run_blocks = in_runs ? std::max<int64_t>(1, 32768 / block_stride) : blocks;
-  const int64_t next_run = run_blocks * block_stride;
-  const uint8_t* first_group = packed.data_ptr<uint8_t>() + kHeaderBytes;
-  char* const out_data = static_cast<char*>(out.data_ptr());
-  const int64_t out_bytes = out.element_size();
-  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, groups * num_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(run_blocks < blocks ? block_rows * kGroupCols : 0);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task % groups, row_block = task / groups;
-      const int64_t row_begin = row_block * block_rows, row_end = std::min(rows, row_begin + block_rows);
-      for (int64_t b = 0; b < blocks; b += run_blocks) {
-        for (int64_t r = row_begin; r < row_end; r += tile_height) {
-          const int64_t m = std::min(tile_height, row_end - r);
-          for (int64_t panel = 0; panel < kGroupPanels; panel += tile_panels) {
-            const int64_t col = g * kGroupCols + panel * kPanelCols;
-            const TileArgs args{xq.quants + r * xq.k + b * kBlock * m, xq.dx + r * blocks + b * m,
-                                xq.dx_sums + r * blocks + b * m, xq.starts + r * blocks + b * m,
-                                first_group + g * group_stride + b * block_stride, panel, block_stride,
-                                std::min(run_blocks, blocks - b),
-                                sums.data() + (r - row_begin) * kGroupCols + panel * kPanelCols, b > 0,
-                                b + run_blocks >= blocks, stream_ahead,
-                                r > row_begin && b + run_blocks < blocks ? next_run : 0,
-                                bias == nullptr ? nullptr : bias + col,
-                                out_data + (r * n + col) * out_bytes, out_bf16, n, n - col};
-            if (few) tile_rows<T, T::kWide, T::kFewTileRows>(m, args);
-            else tile_rows<T, T::kNarrow, T::kTileRows>(m, args);
-          }
+struct GroupTasks final : Tasks {
+  QuantRows xq;
+  const uint8_t* first_group;
+  int64_t group_stride, block_stride, rows, n, groups, blocks, tile_height, tile_panels, block_rows, num_blocks,
+      run_blocks, next_run, stream_ahead, out_bytes;
+  bool few, in_runs, out_bf16;
+  const float* bias;
+  char* out_data;
+
+  GroupTasks(const QuantRows& xq_, const at::Tensor& packed, int64_t group_stride_, const float* bias_,
+             int64_t stream_ahead_, int64_t rows_, int64_t n_, void* out, bool out_bf16_)
+      : xq(xq_), first_group(packed.data_ptr<uint8_t>() + kHeaderBytes), group_stride(group_stride_), rows(rows_),
+        n(n_), stream_ahead(stream_ahead_), out_bf16(out_bf16_), bias(bias_), out_data(static_cast<char*>(out)) {
+    groups = num_groups(n), blocks = xq.k / kBlock, block_stride = group_stride / blocks;
+    few = rows <= T::kFewRows;
+    tile_height = xq.tile_height, tile_panels = few ? T::kWide : T::kNarrow;
+    const int64_t row_tiles = (rows + tile_height - 1) / tile_height;
+    const int64_t split = pagedllm_cpu::num_row_blocks(row_tiles, tile_height * xq.k, groups, at::get_num_threads());
+    block_rows = (row_tiles + split - 1) / split * tile_height;
+    num_blocks = (rows + block_rows - 1) / block_rows;
+    const int64_t tiles_per_task = (block_rows + tile_height - 1) / tile_height;
+    in_runs = tiles_per_task > 1 && tiles_per_task <= 6;
+    run_blocks = in_runs ? std::max<int64_t>(1, 32768 / block_stride) : blocks;
+    next_run = run_blocks * block_stride;
+    out_bytes = out_bf16 ? 2 : 4;
+  }
+
+  int64_t count() const override { return groups * num_blocks; }
+  int64_t sums_size() const override { return run_blocks < blocks ? block_rows * kGroupCols : 0; }
+
+  void run(int64_t task, float* sums) const override {
+    const int64_t g = task % groups, row_block = task / groups;
+    const int64_t row_begin = row_block * block_rows, row_end = std::min(rows, row_begin + block_rows);
+    for (int64_t b = 0; b < blocks; b += run_blocks) {
+      for (int64_t r = row_begin; r < row_end; r += tile_height) {
+        const int64_t m = std::min(tile_height, row_end - r);
+        for (int64_t panel = 0; panel < kGroupPanels; panel += tile_panels) {
+          const int64_t col = g * kGroupCols + panel * kPanelCols;
+          const TileArgs args{xq.quants + r * xq.k + b * kBlock * m, xq.dx + r * blocks + b * m,
+                              xq.dx_sums + r * blocks + b * m, xq.starts + r * blocks + b * m,
+                              first_group + g * group_stride + b * block_stride, panel, block_stride,
+                              std::min(run_blocks, blocks - b),
+                              sums + (r - row_begin) * kGroupCols + panel * kPanelCols, b > 0,
+                              b + run_blocks >= blocks, stream_ahead,
+                              r > row_begin && b + run_blocks < blocks ? next_run : 0,
+                              bias == nullptr ? nullptr : bias + col,
+                              out_data + (r * n + col) * out_bytes, out_bf16, n, n - col};
+          if (few) tile_rows<T, T::kWide, T::kFewTileRows>(m, args);
+          else tile_rows<T, T::kNarrow, T::kTileRows>(m, args);
         }
       }
+    }
+  }
+};
+
+// Every task of every product, in one parallel region: a thread takes a run of consecutive tasks,
+// so products of equal size (a step's experts) share the threads evenly.
+void run_tasks(const std::vector<std::unique_ptr<Tasks>>& products) {
+  std::vector<int64_t> ends;  // each product's tasks end here, counted over all products
+  int64_t total = 0, sums_size = 0;
+  for (const auto& p : products) {
+    ends.push_back(total += p->count());
+    sums_size = std::max(sums_size, p->sums_size());
+  }
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(sums_size);
+    for (int64_t task = begin; task < end; ++task) {
+      const auto i = std::upper_bound(ends.begin(), ends.end(), task) - ends.begin();
+      products[i]->run(task - (i == 0 ? 0 : ends[i - 1]), sums.data());
     }
   });
 }
 
-// (Quads, FVec: template parameters, so that builds without AVX2, where they are only declared,
-// never instantiate this)
-template <int Bits, bool HasMins, bool PerToken = false, typename Quads = QuadVec, typename FVec = QuantFloat>
+// What depends on the instruction set's vector types (Quads, FVec: template parameters, so that
+// builds without AVX2, where they are only declared, never instantiate this): the tile shapes,
+// the same for every bit width; the activations' offset for a weight; a product's tasks.
+template <typename Quads = QuadVec, typename FVec = QuantFloat>
+struct Kinds {
+  template <int Bits, bool HasMins, bool PerToken = false>
+  using T = Tiles<Quads, FVec, Bits, HasMins, PerToken>;
+
+  static int64_t tile_height(int64_t rows) {
+    using Any = T<4, false>;
+    return rows <= Any::kFewRows ? Any::kFewTileRows : Any::kTileRows;
+  }
+
+  static int32_t offset(const PackedHeader& h) {
+    return static_cast<int32_t>(h.zero_point) + (h.bits == 8 ? Quads::kQ8Offset : 0);
+  }
+
+  // The product's tasks for its header's kind (bits, mins, per token), over quantized rows xq
+  static std::unique_ptr<Tasks> tasks(const PackedHeader& h, const QuantRows& xq, const at::Tensor& packed,
+                                      const float* bias, int64_t stream_ahead, int64_t rows, void* out,
+                                      bool out_bf16) {
+    auto make = [&](auto tiles) -> std::unique_ptr<Tasks> {
+      return std::make_unique<GroupTasks<decltype(tiles)>>(xq, packed, group_bytes(h.bits, h.k, h.has_mins != 0),
+                                                           bias, stream_ahead, rows, h.n, out, out_bf16);
+    };
+    if (h.bits == 4) return h.has_mins ? make(T<4, true>{}) : make(T<4, false>{});
+    if (h.per_token) return make(T<8, false, true>{});
+    return h.has_mins ? make(T<8, true>{}) : make(T<8, false>{});
+  }
+};
+
+template <typename K = Kinds<>>
 void run(const at::Tensor& x, const PackedHeader& h, const at::Tensor& packed, const float* bias, int64_t stream_ahead,
          at::Tensor& out) {
   if constexpr (kHasQuant) {
-    const int32_t offset = static_cast<int32_t>(h.zero_point) + (Bits == 8 ? Quads::kQ8Offset : 0);
-    using T = Tiles<Quads, FVec, Bits, HasMins, PerToken>;
-    const int64_t tile_height = x.size(0) <= T::kFewRows ? T::kFewTileRows : T::kTileRows;
     QuantBuffers fresh;
     QuantBuffers& buffers = x.size(0) * x.size(1) <= kKeptQuantBytes ? kept_quant_buffers() : fresh;
-    const QuantRows xq = quantize_rows<FVec>(x, offset, PerToken, tile_height, buffers);
-    run_groups<T>(xq, packed, group_bytes(Bits, h.k, HasMins), bias, stream_ahead, out);
+    const QuantRows xq =
+        quantize_rows<QuantFloat>(x, K::offset(h), h.per_token != 0, K::tile_height(x.size(0)), buffers);
+    std::vector<std::unique_ptr<Tasks>> products;
+    products.push_back(
+        K::tasks(h, xq, packed, bias, stream_ahead, x.size(0), out.data_ptr(), out.scalar_type() == at::kBFloat16));
+    run_tasks(products);
   }
+}
+
+// A packed weight's header, checked against the blob's size
+PackedHeader checked_header(const char* op, const at::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= kHeaderBytes && std::memcmp(packed.data_ptr(), kMagic, sizeof(kMagic)) == 0,
+              op, ": packed must be what pack_quant_linear returned");
+  PackedHeader h;
+  std::memcpy(&h, packed.data_ptr(), sizeof(h));
+  TORCH_CHECK((h.bits == 4 || h.bits == 8) && h.n > 0 && h.k > 0 && h.k % kBlock == 0 &&
+                  packed.numel() == kHeaderBytes + num_groups(h.n) * group_bytes(h.bits, h.k, h.has_mins != 0),
+              op, ": packed has the wrong size for its header");
+  return h;
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
@@ -486,15 +569,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(1) == k,
               "quant_linear: x must be float32 or bfloat16 [M, K = ", k, "], not ", dtype, " ", x.sizes());
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
-                  packed.numel() >= kHeaderBytes && std::memcmp(packed.data_ptr(), kMagic, sizeof(kMagic)) == 0,
-              "quant_linear: packed must be what pack_quant_linear returned");
-  PackedHeader h;
-  std::memcpy(&h, packed.data_ptr(), sizeof(h));
+  const PackedHeader h = checked_header("quant_linear", packed);
   TORCH_CHECK(h.bits == bits && h.n == n && h.k == k, "quant_linear: packed holds a ", h.bits, "-bit [", h.n, ", ", h.k,
               "] weight, called with bits=", bits, ", n=", n, ", k=", k);
-  TORCH_CHECK(packed.numel() == kHeaderBytes + num_groups(n) * group_bytes(bits, k, h.has_mins != 0),
-              "quant_linear: packed has the wrong size for its header");
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n,
@@ -508,10 +585,61 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   TORCH_CHECK(stream_ahead >= 0 && stream_ahead <= (1 << 20), "quant_linear: stream_ahead must be 0..1 MiB, not ",
               stream_ahead);
-  const int64_t s = stream_ahead;
-  if (bits == 4) h.has_mins ? run<4, true>(xr, h, packed, b, s, out) : run<4, false>(xr, h, packed, b, s, out);
-  else if (h.per_token) run<8, false, true>(xr, h, packed, b, s, out);
-  else h.has_mins ? run<8, true>(xr, h, packed, b, s, out) : run<8, false>(xr, h, packed, b, s, out);
+  run(xr, h, packed, b, stream_ahead, out);
+  return out;
+}
+
+// A step's experts (vLLM's fused_moe, llama.cpp's mul_mat_id): x's rows grouped by expert, rows
+// offsets[g] .. offsets[g + 1] times weight g; every expert's tasks in one parallel region, so the
+// experts of one token share the threads and each weight is read once whatever rows it has.
+template <typename K = Kinds<>>
+void run_experts(const at::Tensor& x, const std::vector<PackedHeader>& headers, at::TensorList packed,
+                 const int64_t* offsets, int64_t stream_ahead, at::Tensor& out) {
+  if constexpr (kHasQuant) {
+    const auto groups = static_cast<int64_t>(headers.size());
+    std::vector<QuantBuffers> buffers(groups);  // a few rows each: quantized in the calling thread
+    std::vector<std::unique_ptr<Tasks>> products;
+    const bool out_bf16 = out.scalar_type() == at::kBFloat16;
+    char* const out_data = static_cast<char*>(out.data_ptr());
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t rows = offsets[g + 1] - offsets[g];
+      if (rows == 0) continue;
+      const PackedHeader& h = headers[g];
+      const QuantRows xq = quantize_rows<QuantFloat>(x.narrow(0, offsets[g], rows), K::offset(h), h.per_token != 0,
+                                                     K::tile_height(rows), buffers[g]);
+      void* const rows_out = out_data + offsets[g] * h.n * out.element_size();
+      products.push_back(K::tasks(h, xq, packed[g], nullptr, stream_ahead, rows, rows_out, out_bf16));
+    }
+    run_tasks(products);
+  }
+}
+
+at::Tensor moe_quant_linear(const at::Tensor& x, at::TensorList packed, const at::Tensor& offsets,
+                            int64_t stream_ahead) {
+  TORCH_CHECK(kHasQuant, "moe_quant_linear: this CPU build has no quantized kernel (it needs AVX2)");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "moe_quant_linear: x must be float32 or bfloat16 [M, K], not ", dtype, " ", x.sizes());
+  const auto groups = static_cast<int64_t>(packed.size());
+  TORCH_CHECK(groups > 0, "moe_quant_linear: no weights");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == groups + 1 &&
+                  offsets.is_contiguous(),
+              "moe_quant_linear: offsets must be int64 [", groups + 1, "] (one more than the weights)");
+  const int64_t* const at_row = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(at_row[0] == 0 && at_row[groups] == x.size(0),
+              "moe_quant_linear: offsets must run from 0 to x's rows (", x.size(0), ")");
+  std::vector<PackedHeader> headers;
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(at_row[g + 1] >= at_row[g], "moe_quant_linear: offsets must not decrease");
+    headers.push_back(checked_header("moe_quant_linear", packed[g]));
+    TORCH_CHECK(headers[g].k == x.size(1) && headers[g].n == headers[0].n, "moe_quant_linear: weight ", g, " is [",
+                headers[g].n, ", ", headers[g].k, "], not [", headers[0].n, ", ", x.size(1), "] as x and weight 0 say");
+  }
+  TORCH_CHECK(stream_ahead >= 0 && stream_ahead <= (1 << 20),
+              "moe_quant_linear: stream_ahead must be 0..1 MiB, not ", stream_ahead);
+  const at::Tensor xr = x.is_contiguous() ? x : x.contiguous();
+  at::Tensor out = at::empty({x.size(0), headers[0].n}, x.options());
+  if (x.size(0) > 0) run_experts(xr, headers, packed, at_row, stream_ahead, out);
   return out;
 }
 
@@ -523,10 +651,19 @@ at::Tensor pagedllm_ops::quant_linear(const at::Tensor& x, const at::Tensor& pac
   return ::quant_linear(x, packed, bits, n, k, bias, stream_ahead);
 }
 
+at::Tensor pagedllm_ops::moe_quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                                          const at::Tensor& offsets, int64_t stream_ahead) {
+  require_cpu("moe_quant_linear", {x, offsets});
+  for (const at::Tensor& p : packed) require_cpu("moe_quant_linear", {p});
+  return ::moe_quant_linear(x, packed, offsets, stream_ahead);
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_linear_available() -> bool", &available);
   m.def("pack_quant_linear(Tensor q, Tensor scales, Tensor? mins, int bits, bool per_token=False) -> Tensor");
   m.impl("pack_quant_linear", c10::DispatchKey::CPU, &pack_quant_linear);
   m.def("quant_linear(Tensor x, Tensor packed, int bits, int n, int k, Tensor? bias, int stream_ahead=4096) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
+  m.def("moe_quant_linear(Tensor x, Tensor[] packed, Tensor offsets, int stream_ahead=4096) -> Tensor");
+  m.impl("moe_quant_linear", c10::DispatchKey::CPU, &moe_quant_linear);
 }
