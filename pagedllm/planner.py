@@ -213,6 +213,13 @@ class CapacityPlan:
         return sum(self.weights_by_format.values())
 
     @property
+    def decode_step_weight_bytes(self) -> int:
+        """About what one request's decode step reads of the weights: their bytes in the share of
+        active parameters (a mixture of experts' routed experts and every other weight; all of a
+        dense model's). A CPU decode step's time is about these bytes over the memory's rate."""
+        return self.weights_bytes * self.active_parameters // self.num_parameters
+
+    @property
     def max_concurrency_with_shared_prefix(self) -> float:
         """Requests of max_model_len at once when the first shared_prefix_tokens of each are one
         cached copy (its whole blocks shared; a partial last block is each request's own)."""
@@ -234,6 +241,7 @@ class CapacityPlan:
             "dtype": self.dtype,
             "num_parameters": self.num_parameters,
             "active_parameters_per_token": self.active_parameters,
+            "decode_step_weight_bytes": self.decode_step_weight_bytes,
             "weights_bytes": self.weights_bytes,
             "weights_bytes_by_format": self.weights_by_format,
             "shared_prefix_tokens": self.shared_prefix_tokens,

@@ -634,10 +634,11 @@ def test_plan_counts_total_and_active_parameters(tmp_path, capsys):
     assert (plan["num_parameters"], plan["active_parameters_per_token"]) == (total, active)
     assert round(total / 1e9, 1) == 30.5 and round(active / 1e9, 1) == 3.4  # "30.5B, 3.3B activated"
     assert plan["weights_bytes"] == 2 * total
+    assert plan["decode_step_weight_bytes"] == 2 * active  # bfloat16: 2 bytes a parameter, all read
     main(argv)
-    assert f"active           {active:,} parameters a token (8 of 128 experts on 48 of 48 layers" in (
-        capsys.readouterr().out
-    )
+    printed = capsys.readouterr().out
+    assert f"active           {active:,} parameters a token (8 of 128 experts on 48 of 48 layers" in printed
+    assert f"decode reads     about {2 * active / 1e9:.2f} GB" in printed
 
 
 # ---- configs refused -----------------------------------------------------------------------------

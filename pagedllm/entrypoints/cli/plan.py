@@ -194,7 +194,9 @@ def _experts_line(plan: CapacityPlan) -> list[str]:
     return [
         f"active           {plan.active_parameters:,} parameters a token ({c.num_experts_per_tok} of "
         f"{c.num_experts} experts on {c.num_sparse_layers} of {c.num_hidden_layers} layers: "
-        f"{plan.active_parameters / plan.num_parameters:.1%} of the weights' parameters)"
+        f"{plan.active_parameters / plan.num_parameters:.1%} of the weights' parameters)",
+        f"decode reads     about {_size(plan.decode_step_weight_bytes)} of the weights a step for one "
+        "request (a step of many: each expert they chose, once)",
     ]
 
 
