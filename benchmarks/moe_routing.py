@@ -59,27 +59,21 @@ def main() -> None:
     calls.clear()  # warm-up's
     llm.generate(prompts, params, use_tqdm=False)
 
-    distinct: dict[str, list[int]] = defaultdict(list)
-    busiest: dict[str, list[float]] = defaultdict(list)
-    for rows, ids in calls:
-        kind = "decode" if rows == args.rows else "prefill" if rows >= args.prompt_tokens else None
-        if kind is None:  # a chunk split another way: neither kind
-            continue
-        counts = torch.bincount(ids.flatten(), minlength=config.num_experts)
-        distinct[kind].append(int((counts > 0).sum()))
-        busiest[kind].append(float(counts.max()) / rows)
     e, k = config.num_experts, config.num_experts_per_tok
+    by_rows: dict[int, list[tuple[int, float]]] = defaultdict(list)  # rows -> (distinct, busiest's share)
+    for rows, ids in calls:
+        counts = torch.bincount(ids.flatten(), minlength=e)
+        by_rows[rows].append((int((counts > 0).sum()), float(counts.max()) / rows))
     print(f"{args.model}: {e} experts, top {k}")
-    for kind, rows in (("prefill", args.prompt_tokens), ("decode", args.rows)):
-        if not distinct[kind]:
-            print(f"{kind}: no step of {rows} rows seen")
-            continue
-        mean = float(np.mean(distinct[kind]))
+    for rows in sorted(by_rows):
+        kind = "decode" if rows <= args.rows else "prefill"
+        distinct = float(np.mean([d for d, _ in by_rows[rows]]))
         ideal = uniform_distinct(e, k, rows)
         print(
-            f"{kind} steps of {rows} rows ({len(distinct[kind])} layer calls): "
-            f"{mean:.1f} distinct experts a layer, uniform routing {ideal:.1f} ({mean / ideal:.2f}x); "
-            f"the busiest expert takes {np.mean(busiest[kind]):.2f} of the rows"
+            f"{kind} steps of {rows} rows ({len(by_rows[rows])} layer calls): "
+            f"{distinct:.1f} distinct experts a layer, uniform routing {ideal:.1f} "
+            f"({distinct / ideal:.2f}x); "
+            f"the busiest expert takes {np.mean([b for _, b in by_rows[rows]]):.2f} of the rows"
         )
 
 
