@@ -13,7 +13,10 @@ Each expert is a pair of projections (layers/linear.py), so an expert holds its 
 projection does: float, packed for the CPU paths; or in its file's quantized blocks (a GGUF's
 ffn_*_exps split per expert, model/gguf_weights.py), packed for the integer kernel and never
 dequantized. Children are named by expert index (`experts.3.gate_up_proj`), the names checkpoints
-give them.
+give them. Where every expert is packed for the integer kernel, a step's experts run in two calls
+(GroupedExperts: cpu_ops.moe_quant_linear for gate_up, then for down), their tasks shared by the
+threads in one parallel region; else in two calls an expert (float experts, or a build without the
+kernel). Both give the same bits; the grouped one is the faster (docs/benchmarks/moe.md).
 """
 
 from __future__ import annotations
