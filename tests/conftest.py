@@ -3,6 +3,7 @@ and what keeps test servers from outliving the test process."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import shutil
@@ -97,6 +98,19 @@ def reference() -> Reference:
         # and builds its tensor-name map once per tensor: seconds each, the same answers every time
         patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        # and parses its metadata (every token and merge, in Python) once for the config and once for
+        # the tokenizer's config: the same dict both times
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        load = gguf_utils.load_gguf_checkpoint
+        parse = functools.cache(lambda file: load(file, return_tensors=False))
+
+        def parsed_once(file, return_tensors=False, **kwargs):
+            if return_tensors or kwargs:
+                return load(file, return_tensors=return_tensors, **kwargs)
+            return copy.deepcopy(parse(str(file)))
+
+        patch.setattr(gguf_utils, "load_gguf_checkpoint", parsed_once)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32

@@ -87,6 +87,7 @@ def test_gguf_metadata_gives_the_converted_config(tmp_path, monkeypatch):
     assert model_config_from_dict(converted) == read_model_config(str(path))
 
 
+@pytest.mark.slow  # a process of its own; the fast set keeps the report in-process
 def test_python_m_pagedllm_plan_prints_the_report_and_what_if_table():
     # --dtype pinned: `auto` is bfloat16 on CPUs with bfloat16 hardware, float32 elsewhere
     argv = [

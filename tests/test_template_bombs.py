@@ -192,6 +192,7 @@ def test_running_out_of_memory_is_the_requests_error(tokenizer, monkeypatch):
         chat_prompt(tokenizer, CHAT, template="{{ allocate() }}")
 
 
+@pytest.mark.slow  # renders that run to their budgets, in threads
 def test_the_renders_of_other_threads_keep_their_own_budgets(tokenizer, max_chars):
     """The deadline and the bound are per thread: a bomb on one does not stop a render on another."""
     with ThreadPoolExecutor(2) as pool:

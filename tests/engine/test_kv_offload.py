@@ -134,6 +134,7 @@ def test_the_directory_stays_within_its_bound(tmp_path):
     assert 0 < total <= store.max_bytes and store.num_blocks <= 3
 
 
+@pytest.mark.slow  # an engine warmed from a file, restarted
 def test_warm_up_file_makes_the_first_request_hit(tmp_path):
     workload = tmp_path / "warm.jsonl"
     workload.write_text(json.dumps({"prompt": PROMPT, "max_tokens": 4}) + "\n")

@@ -151,6 +151,7 @@ def test_greedy_chat_equals_offline_chat(client, llm):
 # ---- streaming and concurrency -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 32 streams; the fast set keeps streamed against non-streamed for one
 def test_32_concurrent_streams_finish_and_equal_non_streamed(server, llm):
     prompts = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(32)]
     expected = llm.generate(prompts, greedy(8), use_tqdm=False)

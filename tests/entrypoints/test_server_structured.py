@@ -176,6 +176,7 @@ def test_auto_tool_choice_puts_the_tools_in_the_prompt_and_parses_what_comes(cli
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens and not none.choices[0].message.tool_calls
 
 
+@pytest.mark.slow  # the fast set keeps the tool-call tests
 def test_a_tool_result_round_trips(client):
     first = chat(
         client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}

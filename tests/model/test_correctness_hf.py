@@ -32,6 +32,7 @@ def test_prompts_tokenize_like_transformers(llm, cases):
     assert chat_output.prompt_token_ids == cases[4][1]
 
 
+@pytest.mark.slow  # the fast set keeps the crowded, chunked batch against transformers
 def test_greedy_matches_transformers_one_at_a_time(llm, cases):
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     for label, ids, ref_tokens, ref_logits in cases:
@@ -39,7 +40,6 @@ def test_greedy_matches_transformers_one_at_a_time(llm, cases):
         assert_greedy_equal(output.outputs[0].token_ids, ref_tokens, ref_logits, label)
 
 
-@pytest.mark.slow  # the fast set keeps one pass against transformers (one at a time)
 def test_greedy_matches_transformers_in_a_crowded_chunked_batch(cases):
     budget = 32
     crowded = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=budget, max_num_seqs=12)

@@ -70,6 +70,7 @@ def test_metadata_and_tensors_are_what_the_gguf_package_reads(tmp_path):
         assert mine.data.tobytes() == reference.data.tobytes(), mine.name
 
 
+@pytest.mark.slow  # the gguf package's reader takes seconds; every engine test reads this file
 def test_the_default_model_reads_as_the_gguf_package_reads_it():
     """A real file: its scalars and short arrays equal, the vocabulary and merges only counted."""
     ours, theirs = read_gguf(default_model_path()), gguf.GGUFReader(str(default_model_path()))

@@ -179,7 +179,13 @@ _ARGS = {
 }
 
 
-@pytest.mark.parametrize(("command", "name"), CLI_CASES, ids=[f"{c}-{n}" for c, n in CLI_CASES])
+@pytest.mark.parametrize(
+    ("command", "name"),
+    [  # make test-fast keeps a server's and the planner's; the whole suite each command's
+        pytest.param(c, n, id=f"{c}-{n}", marks=[] if c in ("serve", "plan") else [pytest.mark.slow])
+        for c, n in CLI_CASES
+    ],
+)
 def test_the_cli_prints_one_error_line_and_exits_1(command, name, tmp_path):
     case = CASES[name]
     path = case.make(tmp_path)
@@ -193,6 +199,7 @@ def test_the_cli_prints_one_error_line_and_exits_1(command, name, tmp_path):
     assert seconds < 120 and rss < MAX_RSS_BYTES  # seconds: imports on a busy host; the answer is ms
 
 
+@pytest.mark.slow  # a CLI process of its own; the fast set keeps serve's and plan's
 def test_generate_with_a_deeply_nested_speculative_config_is_one_error_line(tmp_path):
     nested = "[" * 30_000 + "]" * 30_000
     status, lines, _, _ = _cli(["generate", "Hi", "--speculative-config", nested], tmp_path)

@@ -73,6 +73,7 @@ def snapshot(cache: Path, commit: str, repo_id: str = REPO) -> Path:
     return cache / ("models--" + repo_id.replace("/", "--")) / "snapshots" / commit
 
 
+@pytest.mark.slow  # an engine from the written cache; the fast set keeps the resolution tests
 def test_hub_name_generates_like_the_default_model(hub_cache, network_calls, llm):
     hub_llm = LLM(model=REPO, **TEST_ENGINE_ARGS)
     assert hub_llm.llm_engine.facts.model_name == REPO  # the served name is the repo id, as in vLLM

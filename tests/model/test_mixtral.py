@@ -218,7 +218,15 @@ def as_written(model, qtype):
     return model
 
 
-@pytest.fixture(scope="module", params=[KIND.F32, KIND.F16, KIND.Q8_0], ids=lambda kind: kind.name)
+@pytest.fixture(
+    scope="module",
+    params=[  # make test-fast keeps Q8_0: experts kept in blocks for the integer kernel
+        pytest.param(KIND.F32, marks=pytest.mark.slow),
+        pytest.param(KIND.F16, marks=pytest.mark.slow),
+        KIND.Q8_0,
+    ],
+    ids=lambda kind: kind.name,
+)
 def mixtral_gguf(request, tmp_path_factory):
     """(transformers on the file's experts as written, the GGUF path, the experts' format): the
     random model as a "llama" GGUF with an expert count, its experts in `param`, the rest float32."""

@@ -280,7 +280,9 @@ def dequantized_as_written(model, qtype):
     return model
 
 
-@pytest.fixture(scope="module", params=[KIND.Q8_0, KIND.Q4_0], ids=["Q8_0", "Q4_0"])
+@pytest.fixture(
+    scope="module", params=[pytest.param(KIND.Q8_0, marks=pytest.mark.slow), KIND.Q4_0], ids=["Q8_0", "Q4_0"]
+)  # make test-fast keeps Q4_0
 def quantized_gguf(request, tmp_path_factory):
     """(transformers on the file's dequantized weights, the GGUF path, its experts' format): a
     GGUF of the random model with the experts in `param`, the rest float32 as written."""

@@ -273,6 +273,7 @@ def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tm
         assert abs(planned[name] - formats[name]) <= 0.01 * formats[name], (planned, formats)
 
 
+@pytest.mark.slow  # eval over a checkpoint; the fast set keeps the FP8 one's
 def test_eval_weight_quant_checks_a_checkpoint_as_stored(tmp_path, capsys):
     """`pagedllm eval weight-quant` on an AWQ folder: the checkpoint as served against the same
     weights dequantized, one row named by its method (int8/int4 would be refused on it)."""

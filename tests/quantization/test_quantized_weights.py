@@ -320,7 +320,11 @@ MIXED_TYPES = {
 
 @pytest.mark.parametrize(
     ("kernel", "architecture"),
-    [(True, "llama"), (False, "llama"), (True, "gemma3-gguf")],  # the dequantized path: one architecture
+    [  # the dequantized path: one architecture
+        (True, "llama"),
+        pytest.param(False, "llama", marks=pytest.mark.slow),
+        pytest.param(True, "gemma3-gguf", marks=pytest.mark.slow),
+    ],
     ids=["integer-kernel-llama", "dequantized-llama", "integer-kernel-gemma3"],
 )
 def test_gguf_with_float_parts_in_fused_projections_matches_it_dequantized(

@@ -201,6 +201,7 @@ def spec_llm() -> LLM:
 REPETITIVE = "one two three four five six seven eight nine ten. " * 4 + "Again: one two three"
 
 
+@pytest.mark.slow  # two engines over every stop rule
 def test_stop_conditions_end_where_they_end_without_speculation(llm, spec_llm):
     """A stop token, a stop string or max_tokens reached inside a run of accepted draft tokens
     ends the output exactly where plain decoding ends it."""
@@ -258,7 +259,12 @@ def test_logprobs_with_speculation_are_plain_decoding_s(llm, spec_llm):
 
 
 @pytest.mark.parametrize(
-    "penalty", [{"repetition_penalty": 1.1}, {"frequency_penalty": 0.3}, {"presence_penalty": 0.5}]
+    "penalty",
+    [
+        {"repetition_penalty": 1.1},
+        pytest.param({"frequency_penalty": 0.3}, marks=pytest.mark.slow),
+        pytest.param({"presence_penalty": 0.5}, marks=pytest.mark.slow),
+    ],
 )
 def test_penalties_count_the_draft_tokens_before_each_position(llm, spec_llm, penalty):
     """Greedy with a penalty: each checked position is penalized for the draft tokens before it

@@ -90,6 +90,7 @@ def _slow_compile_env(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_TEST_CRASH_FLAG", str(tmp_path / "crashed"))
 
 
+@pytest.mark.slow  # the fast set keeps a pool's compile and its retry
 def test_recursive_schemas_compile():
     async def body(pool: GrammarCompilePool) -> None:
         for schema in (LINKED_LIST, TREE):

@@ -63,6 +63,7 @@ def test_each_kind_of_grammar(llm):
         assert check(text), (name, text)
 
 
+@pytest.mark.slow  # the fast set keeps the constrained path against transformers
 def test_free_requests_in_a_constrained_batch_are_untouched(llm):
     """Free greedy rows sharing steps with constrained rows give what they give alone."""
     free_prompts = ["The capital of France is", "def fibonacci(n):"]
