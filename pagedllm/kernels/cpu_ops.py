@@ -423,5 +423,5 @@ def moe_quant_linear(
     expert) times weight g, each packed by pack_quant_linear (any bits, the same [N, K]) ->
     [M, N] in x's dtype; every row's result what quant_linear gives it. One parallel region for
     all the experts (csrc/quant_linear_cpu.cpp), where a call per expert costs a Python call and
-    a region each, and leaves a thread idle while an expert of one row runs."""
+    a region each (its start, and its threads waiting for each other at its end)."""
     return _ops().moe_quant_linear(x, packed, offsets, stream_ahead)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 
 import gguf
 import numpy as np
@@ -29,12 +30,14 @@ from pagedllm.model.gguf_weights import _experts_apart as gguf_experts_apart
 from pagedllm.model.gguf_weights import held_form, iter_gguf_weights, read_tensor
 from pagedllm.model.qwen3_moe import Qwen3MoeSparseMoeBlock
 from pagedllm.planner import gguf_weights_by_format
+from pagedllm.sampling_params import StructuredOutputsParams
 
 from ..helpers import (
     TEST_ENGINE_ARGS,
     TINY,
     hf_greedy,
     random_gguf_blocks,
+    rows_free,
     save_with_random_norms,
     write_tiny_gguf,
 )
@@ -233,6 +236,35 @@ def test_prefix_caching_gives_the_plain_path_tokens(moe_folder, moe_llm):
         for step, token in enumerate(tokens):
             a, b = ours.outputs[0].logprobs[step][token], theirs.outputs[0].logprobs[step][token]
             assert abs(a.logprob - b.logprob) < 1e-4, (step, a.logprob, b.logprob)
+
+
+def test_speculation_and_a_grammar_run_through_the_experts(moe_folder, moe_llm):
+    """Drafts checked through the sparse blocks as any row: suffix decoding proposes, for a prompt
+    asked again, the output the first answer left in its tree (every draft row checked: rows_free);
+    both answers are the plain engine's tokens and logprobs. A regex-constrained request on the same
+    engine ends inside its pattern."""
+    generator = torch.Generator().manual_seed(4)
+    prompt = {"prompt_token_ids": torch.randint(100, 49000, (12,), generator=generator).tolist()}
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    spec_llm = rows_free(
+        engine(moe_folder, speculative_config={"method": "suffix", "num_speculative_tokens": 3})
+    )
+    plain = moe_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    for _ in range(2):
+        ours = spec_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert ours.token_ids == plain.token_ids
+        for step, token in enumerate(ours.token_ids):
+            a, b = ours.logprobs[step][token].logprob, plain.logprobs[step][token].logprob
+            assert abs(a - b) < 1e-4, (step, a, b)
+    stats = spec_llm.llm_engine.core.scheduler.draft_policy.stats
+    assert stats.num_accepted_tokens > 0, stats
+
+    pattern = "(yes|no)-[0-9]{3}"
+    constrained = SamplingParams(
+        temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
+    text = spec_llm.generate("Answer:", constrained, use_tqdm=False)[0].outputs[0].text
+    assert re.fullmatch(pattern, text), text
 
 
 def test_an_int8_kv_cache_stays_near_the_float_one(moe_folder, moe_llm):
