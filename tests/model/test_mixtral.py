@@ -6,9 +6,7 @@ Mixtral (float32, float16 and Q8_0 experts), a sliding window, every expert chos
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 
 import gguf
 import numpy as np
@@ -17,7 +15,6 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
@@ -25,13 +22,13 @@ from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
 
 from ..helpers import (
-    TEST_ENGINE_ARGS,
     TINY,
     assert_greedy_equal,
     hf_greedy,
     save_with_random_norms,
     write_tiny_gguf,
 )
+from .moe_helpers import eager_random_model, engine, moe_blocks, one_thread, random_prompts
 
 KIND = gguf.GGMLQuantizationType
 ARCHITECTURE = "MixtralForCausalLM"
@@ -59,40 +56,11 @@ def mixtral_config(**overrides):
 
 
 def random_model(**overrides):
-    """transformers' model of mixtral_config(**overrides), float32, random weights, its experts
-    computed by the plain loop over experts (the definition, not a grouped kernel)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(
-        mixtral_config(**overrides), dtype=torch.float32, experts_implementation="eager"
-    ).eval()
+    return eager_random_model(mixtral_config(**overrides))
 
 
 def prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(100, 49000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """transformers' reference on one thread: these tiny steps are many small ops, each a parallel
-    region that waits for every thread of a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def engine(path, **overrides) -> LLM:
-    args = TEST_ENGINE_ARGS | {"max_model_len": 512, "max_num_batched_tokens": 16, "max_num_seqs": 8}
-    return LLM(str(path), **(args | overrides))
-
-
-def moe_blocks(llm: LLM) -> list[FusedMoE]:
-    return [m for m in llm.llm_engine.core.worker.model.modules() if isinstance(m, FusedMoE)]
+    return random_prompts(PROMPT_LENGTHS)
 
 
 def assert_matches_reference(model, llm: LLM, label: str, prompt_ids: list[list[int]]) -> None:

@@ -7,7 +7,6 @@ refused."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.fused_moe import FusedMoE, select_experts
+from pagedllm.layers.fused_moe import select_experts
 from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
@@ -33,7 +32,6 @@ from pagedllm.planner import gguf_weights_by_format
 from pagedllm.sampling_params import StructuredOutputsParams
 
 from ..helpers import (
-    TEST_ENGINE_ARGS,
     TINY,
     hf_greedy,
     random_gguf_blocks,
@@ -41,6 +39,7 @@ from ..helpers import (
     save_with_random_norms,
     write_tiny_gguf,
 )
+from .moe_helpers import eager_random_model, engine, moe_blocks, one_thread, random_prompts
 
 KIND = gguf.GGMLQuantizationType
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -68,32 +67,11 @@ def moe_config(**overrides):
 
 
 def random_model(**overrides):
-    """transformers' model of moe_config(**overrides), float32, random weights; its experts
-    computed by the plain loop over experts (the definition, not a grouped kernel)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(
-        moe_config(**overrides), dtype=torch.float32, experts_implementation="eager"
-    ).eval()
+    return eager_random_model(moe_config(**overrides))
 
 
 def prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(100, 49000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-
-
-@contextlib.contextmanager
-def one_thread():
-    """transformers' references on one thread: a step of these tiny models is a few hundred small
-    ops, each a parallel region that waits for every thread, so on a busy 2-core host two threads
-    took 8 s where one takes 0.2 s (and the results are the same but for float32 rounding)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return random_prompts(PROMPT_LENGTHS)
 
 
 @torch.inference_mode()
@@ -135,15 +113,6 @@ def assert_matches_reference(model, llm: LLM, label: str) -> float:
             assert difference < 1e-4, f"{label}: prompt of {len(ids)}, step {step}: {difference:.2e}"
             worst = max(worst, difference)
     return worst
-
-
-def engine(path, **overrides) -> LLM:
-    args = TEST_ENGINE_ARGS | {"max_model_len": 512, "max_num_batched_tokens": 16, "max_num_seqs": 8}
-    return LLM(str(path), **(args | overrides))
-
-
-def moe_blocks(llm: LLM) -> list[FusedMoE]:
-    return [m for m in llm.llm_engine.core.worker.model.modules() if isinstance(m, FusedMoE)]
 
 
 # ---- HF folders ----------------------------------------------------------------------------------

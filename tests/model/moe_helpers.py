@@ -1,0 +1,53 @@
+"""What the mixture-of-experts tests (Qwen3-MoE, Mixtral) share: transformers' model of a config
+with random weights, random prompts, its references on one thread, and a small engine."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from pagedllm import LLM
+from pagedllm.layers.fused_moe import FusedMoE
+
+from ..helpers import TEST_ENGINE_ARGS
+
+
+def eager_random_model(config):
+    """transformers' model of `config`, float32, random weights (seed 0), its experts computed by
+    the plain loop over experts (the definition, not a grouped kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+
+
+def random_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(100, 49000, (n,), generator=generator).tolist() for n in lengths]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """transformers' references on one thread: a step of these tiny models is a few hundred small
+    ops, each a parallel region that waits for every thread, so on a busy 2-core host two threads
+    took 8 s where one takes 0.2 s (and the results are the same but for float32 rounding)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def engine(path, **overrides) -> LLM:
+    """A small engine whose 16-token budget chunks the prompts' prefills."""
+    args = TEST_ENGINE_ARGS | {"max_model_len": 512, "max_num_batched_tokens": 16, "max_num_seqs": 8}
+    return LLM(str(path), **(args | overrides))
+
+
+def moe_blocks(llm: LLM) -> list[FusedMoE]:
+    return [m for m in llm.llm_engine.core.worker.model.modules() if isinstance(m, FusedMoE)]
