@@ -44,6 +44,7 @@ embedding and some attn_v / ffn_down in Q6_K), then deletes the F16 file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import shutil
 import subprocess
@@ -79,6 +80,11 @@ class Shape:
     moe_intermediate_size: int = 0  # each expert's FFN width (intermediate_size: the dense one's)
 
 
+QWEN3_30B_A3B = Shape(
+    "qwen3moe", 2048, 48, 32, 4, 128, 6144, 1000000.0, 1e-6, has_qk_norm=True,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+)  # fmt: skip
+
 SHAPES = {
     # meta-llama/Llama-3.2-1B (tied embeddings)
     "llama-1b": Shape("llama", 2048, 16, 32, 8, 64, 8192, 500000.0, 1e-5),
@@ -94,37 +100,9 @@ SHAPES = {
     ),
     # Qwen/Qwen3-30B-A3B (its head is untied; tied here, with the small vocabulary): 128 experts of
     # width 768 a layer, 8 a token; 30.5B parameters, 3.3B a token
-    "qwen3-30b-a3b": Shape(
-        "qwen3moe",
-        2048,
-        48,
-        32,
-        4,
-        128,
-        6144,
-        1000000.0,
-        1e-6,
-        has_qk_norm=True,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-    ),
-    # the same layers, half as many: a ~8 GB Q4_0 file for quick runs
-    "qwen3-30b-a3b-half": Shape(
-        "qwen3moe",
-        2048,
-        24,
-        32,
-        4,
-        128,
-        6144,
-        1000000.0,
-        1e-6,
-        has_qk_norm=True,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-    ),
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    # the same layers, half as many: a ~8.5 GB Q4_0 file for quick runs
+    "qwen3-30b-a3b-half": dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=24),
 }
 
 Q = gguf.GGMLQuantizationType
