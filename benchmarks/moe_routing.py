@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model import mixtral, qwen3_moe
+from pagedllm.layers import fused_moe
 
 
 def uniform_distinct(num_experts: int, top_k: int, rows: int) -> float:
@@ -38,15 +38,14 @@ def main() -> None:
     args = parser.parse_args()
 
     calls: list[tuple[int, torch.Tensor]] = []  # (rows, expert ids [rows, k]) per sparse layer call
-    select = qwen3_moe.select_experts
+    select = fused_moe.select_experts
 
     def recording(logits: torch.Tensor, top_k: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = select(logits, top_k, *args, **kwargs)
         calls.append((logits.shape[0], ids.clone()))
         return weights, ids
 
-    for model_module in (qwen3_moe, mixtral):  # each imported the function by name
-        model_module.select_experts = recording  # type: ignore[assignment]
+    fused_moe.select_experts = recording  # type: ignore[assignment]  (SparseMoeBlock's call)
     llm = LLM(args.model, max_model_len=args.prompt_tokens + 64, max_num_seqs=args.rows)
     config = llm.llm_engine.facts.model_config
     assert config.num_experts and config.num_experts_per_tok, f"{args.model} is not a mixture of experts"

@@ -67,6 +67,30 @@ class Router(DirectCall, nn.Module):
         return F.linear(hidden, self.weight)
 
 
+class SparseMoeBlock(DirectCall, nn.Module):
+    """A sparse layer's MLP: the router, then each token's top-k experts, weighted. The models
+    differ only in the top-k's rule (select_experts' renormalize and float32_weights)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        renormalize: bool,
+        float32_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
+        self.gate = Router(num_experts, hidden_size)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+        weights, ids = select_experts(self.gate(hidden), self.top_k, self.renormalize, self.float32_weights)
+        return self.experts(hidden, weights, ids)
+
+
 class ExpertMLP(nn.Module):
     """One expert's weights: gate and up fused (as a dense MLP's), then down; no forward of its own."""
 

@@ -20,38 +20,35 @@ refuses it first.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers.direct_call import DirectCall
-from pagedllm.layers.fused_moe import FusedMoE, Router, select_experts
+from pagedllm.layers.fused_moe import SparseMoeBlock
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 __all__ = ["MixtralForCausalLM"]
 
 
-class MixtralSparseMoeBlock(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        assert config.num_experts and config.num_experts_per_tok  # model/config_reader.py sets them
-        self.top_k = config.num_experts_per_tok
-        self.gate = Router(config.num_experts, config.hidden_size)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.intermediate_size)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
-        logits = self.gate(hidden)  # [num_tokens, num_experts]
-        topk_weights, topk_ids = select_experts(logits, self.top_k, renormalize=True, float32_weights=True)
-        return self.experts(hidden, topk_weights, topk_ids)
+def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
+    """Mixtral's: experts of intermediate_size, the top-k always renormalized, their weights kept
+    in float32."""
+    assert config.num_experts and config.num_experts_per_tok  # model/config_reader.py sets them
+    return SparseMoeBlock(
+        config.num_experts,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_experts_per_tok,
+        renormalize=True,
+        float32_weights=True,
+    )
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
     """Llama's layer with the sparse block in place of its MLP, on every layer."""
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
-        return MixtralSparseMoeBlock(config)
+        return sparse_moe_block(config)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

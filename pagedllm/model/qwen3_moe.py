@@ -15,12 +15,10 @@ Tensor parallelism is not offered yet: the experts would have to be split over t
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers.direct_call import DirectCall
-from pagedllm.layers.fused_moe import FusedMoE, Router, select_experts
+from pagedllm.layers.fused_moe import SparseMoeBlock
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagedllm.model.qwen3 import Qwen3DecoderLayer
@@ -28,25 +26,24 @@ from pagedllm.model.qwen3 import Qwen3DecoderLayer
 __all__ = ["Qwen3MoeForCausalLM"]
 
 
-class Qwen3MoeSparseMoeBlock(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        assert config.num_experts and config.num_experts_per_tok and config.moe_intermediate_size
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = Router(config.num_experts, config.hidden_size)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
-        topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.norm_topk_prob)
-        return self.experts(hidden, topk_weights, topk_ids)
+def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
+    """Qwen3-MoE's: experts of moe_intermediate_size, the top-k renormalized where norm_topk_prob,
+    their weights in the hidden dtype."""
+    assert config.num_experts and config.num_experts_per_tok and config.moe_intermediate_size
+    return SparseMoeBlock(
+        config.num_experts,
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts_per_tok,
+        config.norm_topk_prob,
+    )
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     """Qwen3's layer, its MLP sparse where the config says (ModelConfig.is_sparse_layer)."""
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
-        return Qwen3MoeSparseMoeBlock(config) if config.is_sparse_layer(index) else LlamaMLP(config, tp)
+        return sparse_moe_block(config) if config.is_sparse_layer(index) else LlamaMLP(config, tp)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -27,7 +27,7 @@ from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_file import GGUFTensor
 from pagedllm.model.gguf_weights import _experts_apart as gguf_experts_apart
 from pagedllm.model.gguf_weights import held_form, iter_gguf_weights, read_tensor
-from pagedllm.model.qwen3_moe import Qwen3MoeSparseMoeBlock
+from pagedllm.model.qwen3_moe import sparse_moe_block
 from pagedllm.planner import gguf_weights_by_format
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -483,7 +483,7 @@ def blocks(**overrides):
     with torch.no_grad():
         for param in theirs.parameters():
             param.normal_(0, 0.3)
-    ours = Qwen3MoeSparseMoeBlock(model_config_from_dict(hf_config.to_dict()))
+    ours = sparse_moe_block(model_config_from_dict(hf_config.to_dict()))
     load_block(ours, theirs)
     return theirs, ours
 
