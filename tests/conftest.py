@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -19,7 +20,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.model.locate import default_model_path, resolve_model_folder
 
-from .helpers import TEST_ENGINE_ARGS
+from .helpers import TEST_ENGINE_ARGS, RemoteServer, default_gguf_reader, shared_server_args
 
 
 def _interrupt(signum: int, _: FrameType | None) -> None:
@@ -96,7 +97,8 @@ def reference() -> Reference:
     with pytest.MonkeyPatch.context() as patch:
         # transformers' GGUF loader parses the file with the `gguf` package's reader three times
         # and builds its tensor-name map once per tensor: seconds each, the same answers every time
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        default_reader, read = default_gguf_reader(), gguf.GGUFReader
+        patch.setattr(gguf, "GGUFReader", lambda file: default_reader if Path(file) == path else read(file))
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         # and parses its metadata (every token and merge, in Python) once for the config and once for
         # the tokenizer's config: the same dict both times
@@ -122,6 +124,16 @@ def reference() -> Reference:
 def llm() -> LLM:
     """A float32 engine shared by tests that do not need special settings."""
     return LLM(**TEST_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RemoteServer]:
+    """The default model served with shared_server_args(), one process for the whole run: a start
+    costs seconds, and most server tests need no flag of their own (a module that does defines its
+    own `server`)."""
+    remote = RemoteServer(shared_server_args())
+    yield remote
+    remote.stop()
 
 
 @pytest.fixture(scope="session")

@@ -65,6 +65,27 @@ def server_engine_args() -> list[str]:
     ]
 
 
+SHARED_MAX_NUM_SEQS = 8
+SHARED_MAX_QUEUE_LEN = 40
+SHARED_MAX_BODY_BYTES = 256 * 1024
+
+
+def shared_server_args() -> list[str]:
+    """The flags of the one server that tests without flags of their own share (conftest's
+    `server`): a queue bound, a body limit and a key that no other test's request reaches."""
+    return [
+        *server_engine_args(),
+        "--max-num-seqs",
+        str(SHARED_MAX_NUM_SEQS),
+        "--max-queue-len",
+        str(SHARED_MAX_QUEUE_LEN),
+        "--api-key",
+        API_KEY,
+        "--max-request-body-bytes",
+        str(SHARED_MAX_BODY_BYTES),
+    ]
+
+
 def assert_greedy_equal(
     ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str
 ) -> None:
@@ -459,13 +480,21 @@ GEMMA3_GGUF_LAYER_NAMES = GGUF_LAYER_NAMES | {
 
 
 @functools.cache
+def default_gguf_reader():
+    """The `gguf` package's reader over the default model, made once: it takes seconds over the
+    vocabulary, and both the tiny GGUFs' tokenizer and transformers' reference read it."""
+    import gguf
+
+    return gguf.GGUFReader(str(default_model_path()))
+
+
+@functools.cache
 def _default_tokenizer_fields() -> list[tuple]:
-    """The default model's tokenizer metadata as (key, value, type, item type): read once, as the
-    `gguf` package's reader takes seconds over a vocabulary."""
+    """The default model's tokenizer metadata as (key, value, type, item type)."""
     import gguf
 
     fields = []
-    for key, field in gguf.GGUFReader(str(default_model_path())).fields.items():
+    for key, field in default_gguf_reader().fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             fields.append((key, field.contents(), field.types[0], sub_type))

@@ -20,7 +20,7 @@ from pagedllm.entrypoints.cli.main import main as cli
 from pagedllm.model.locate import resolve_model_folder
 from pagedllm.tokenizer import load_tokenizer
 
-from ..helpers import RemoteServer, server_engine_args
+from ..helpers import API_KEY, RemoteServer
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -174,16 +174,11 @@ def test_flags_are_checked():
 # ---- against a server ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server():
-    remote = RemoteServer([*server_engine_args(), "--max-num-seqs", "4"])
-    yield remote
-    remote.stop()
-
-
 def _bench(server: RemoteServer, tmp_path: Path, capsys, *flags: str) -> dict:
     path = tmp_path / "result.json"
-    cli(["bench", "serve", "--base-url", server.url, "--output-json", str(path), *flags])
+    cli(
+        ["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--output-json", str(path), *flags]
+    )
     assert "Serving benchmark" in capsys.readouterr().out
     return json.loads(path.read_text())
 

@@ -16,19 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import SamplingParams
 
-from ..helpers import API_KEY, MODEL, TEST_ENGINE_ARGS, RemoteServer, server_engine_args
+from ..helpers import API_KEY, MODEL, SHARED_MAX_NUM_SEQS, SHARED_MAX_QUEUE_LEN, TEST_ENGINE_ARGS
 
-MAX_NUM_SEQS = 8
-MAX_QUEUE_LEN = 40
-SERVER_ARGS = [
-    *server_engine_args(),
-    "--max-num-seqs",
-    str(MAX_NUM_SEQS),
-    "--max-queue-len",
-    str(MAX_QUEUE_LEN),
-    "--api-key",
-    API_KEY,
-]
 PROMPTS = [
     "The capital of France is",
     "List three colours:",
@@ -37,13 +26,6 @@ PROMPTS = [
     "The three laws of thermodynamics are",
     "Water boils at",
 ]
-
-
-@pytest.fixture(scope="module")
-def server():
-    remote = RemoteServer(SERVER_ARGS)
-    yield remote
-    remote.stop()
 
 
 @pytest.fixture(scope="module")
@@ -427,7 +409,7 @@ def test_full_queue_gets_503_with_retry_after(server, http):
             # Every seat taken for longer than the test lasts; 8 x 600 tokens fit the pool, so no preemption.
             long = {"model": MODEL, "max_tokens": 600, "ignore_eos": True, "stream": True}
             holders = []
-            for i in range(MAX_NUM_SEQS):
+            for i in range(SHARED_MAX_NUM_SEQS):
                 request = aclient.build_request(
                     "POST", "/v1/completions", json={**long, "prompt": f"Seat {i}:"}
                 )
@@ -438,7 +420,7 @@ def test_full_queue_gets_503_with_retry_after(server, http):
             short = {"model": MODEL, "max_tokens": 1}
             queued = [
                 asyncio.ensure_future(aclient.post("/v1/completions", json={**short, "prompt": f"Wait {i}"}))
-                for i in range(MAX_QUEUE_LEN + 8)
+                for i in range(SHARED_MAX_QUEUE_LEN + 8)
             ]
             deadline = time.monotonic() + 60
             rejected: list[asyncio.Future] = []
@@ -452,7 +434,7 @@ def test_full_queue_gets_503_with_retry_after(server, http):
             return statuses, retry_after
 
     statuses, retry_after = asyncio.run(run())
-    assert statuses.count(503) == 8 and statuses.count(200) == MAX_QUEUE_LEN
+    assert statuses.count(503) == 8 and statuses.count(200) == SHARED_MAX_QUEUE_LEN
     assert all(value is not None and int(value) >= 1 for value in retry_after)
 
 

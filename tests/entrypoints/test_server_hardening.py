@@ -21,22 +21,15 @@ from pagedllm.entrypoints.openai import chat_history
 from pagedllm.entrypoints.openai.protocol import ChatMessage
 
 from ..fault_server import DETOKENIZE_FAULT_SEED, FORWARD_FAULT_TOKEN, SAMPLING_FAULT_SEED
-from ..helpers import TEST_ENGINE_ARGS, RemoteServer, assert_openai_error, server_engine_args
-
-API_KEY = "hardening-key"
-MAX_QUEUE_LEN = 40
-MAX_BODY_BYTES = 256 * 1024
-BASE_ARGS = [
-    *server_engine_args(),
-    "--max-num-seqs",
-    "8",
-    "--max-queue-len",
-    str(MAX_QUEUE_LEN),
-    "--api-key",
+from ..helpers import (
     API_KEY,
-    "--max-request-body-bytes",
-    str(MAX_BODY_BYTES),
-]
+    SHARED_MAX_QUEUE_LEN,
+    TEST_ENGINE_ARGS,
+    RemoteServer,
+    assert_openai_error,
+    shared_server_args,
+)
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG_PROMPT = "Hello " * 20  # over one 16-token block, so a cache salt is hashed
 NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
@@ -111,7 +104,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "Hello", "user": "u" * 1_000_000}, 413, "max-request-body-bytes"),
     ("/v1/completions", {"prompt": "Hello", "user": "u" * 1000}, 400, "user"),
     ("/v1/completions", {"prompt": "Hello", "n": 1_000_000}, 400, "n"),
-    ("/v1/completions", {"prompt": "Hello", "n": MAX_QUEUE_LEN + 1}, 400, "n"),
+    ("/v1/completions", {"prompt": "Hello", "n": SHARED_MAX_QUEUE_LEN + 1}, 400, "n"),
     ("/v1/completions", {"prompt": "Hello", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "Hello", "echo": True}, 400, "echo"),
     (
@@ -217,13 +210,6 @@ class Stream:
         assert not self.thread.is_alive()
 
 
-@pytest.fixture(scope="module")
-def server():
-    remote = RemoteServer([*BASE_ARGS, "--truncate-chat-history"])
-    yield remote
-    remote.stop()
-
-
 @pytest.mark.parametrize(("path", "body", "status", "names"), BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
 def test_a_bad_request_gets_an_openai_shaped_error(server, path, body, status, names):
     assert_openai_error(send(server.url, path, body), status, names)
@@ -282,8 +268,15 @@ def test_logit_bias_steers_greedy_decoding(server):
     assert "Paris" not in banned["choices"][0]["text"].split()[0]
 
 
+@pytest.fixture(scope="module")
+def truncating():
+    remote = RemoteServer([*shared_server_args(), "--truncate-chat-history"])
+    yield remote
+    remote.stop()
+
+
 @pytest.mark.slow  # a 3.5 MB conversation
-def test_a_long_history_costs_bounded_work_and_no_stream_stalls(server):
+def test_a_long_history_costs_bounded_work_and_no_stream_stalls(truncating):
     """--truncate-chat-history once rendered and tokenized the whole conversation at every step of a
     search: one 3.5 MB request held the tokenizer thread for 84 s. Now what must stay is bounded by
     its size before any tokenizing, and a cut costs one batch of counts and a few small renders."""
@@ -292,15 +285,15 @@ def test_a_long_history_costs_bounded_work_and_no_stream_stalls(server):
         for i in range(2_000)
     ]
     last = {"role": "user", "content": "Summarize in one line."}
-    victim = Stream(server.url)
+    victim = Stream(truncating.url)
     start = time.monotonic()
     system = HUGE_TEXT[:120_000]  # with the turns, just under the body bound
     big = {"messages": [{"role": "system", "content": system}, *turns, last], "max_tokens": 4}
-    assert_openai_error(send(server.url, "/v1/chat/completions", big), 400, "messages")
+    assert_openai_error(send(truncating.url, "/v1/chat/completions", big), 400, "messages")
     long_system = {"messages": [{"role": "system", "content": "word " * 2_000}, *turns, last]}
-    assert_openai_error(send(server.url, "/v1/chat/completions", long_system), 400, "alone are")
+    assert_openai_error(send(truncating.url, "/v1/chat/completions", long_system), 400, "alone are")
     body = {"messages": [{"role": "system", "content": "Be terse."}, *turns, last], "max_tokens": 4}
-    reply = send(server.url, "/v1/chat/completions", body)
+    reply = send(truncating.url, "/v1/chat/completions", body)
     assert time.monotonic() - start < 60  # the old search: minutes on two shared cores
     assert reply.status_code == 200, reply.text
     usage = reply.json()["usage"]
@@ -405,7 +398,7 @@ def test_open_metrics_do_not_name_callers_when_the_api_needs_a_key(server):
 
 @pytest.fixture(scope="module")
 def faulty():
-    args = [*BASE_ARGS, "--trust-request-chat-template", "--chat-template-time-budget", "1"]
+    args = [*shared_server_args(), "--trust-request-chat-template", "--chat-template-time-budget", "1"]
     remote = RemoteServer(args, module="tests.fault_server")
     yield remote
     remote.stop()
@@ -430,7 +423,9 @@ def test_a_runaway_template_stops_at_its_budget_and_no_stream_stalls(faulty):
     assert not victim.errors and victim.finish_reason == "length"
 
 
-@pytest.mark.parametrize("seed", [SAMPLING_FAULT_SEED, DETOKENIZE_FAULT_SEED])
+@pytest.mark.parametrize(  # make test-fast keeps the sampler's fault
+    "seed", [SAMPLING_FAULT_SEED, pytest.param(DETOKENIZE_FAULT_SEED, marks=pytest.mark.slow)]
+)
 def test_a_fault_inside_one_request_fails_it_alone(faulty, llm, seed):
     from pagedllm import SamplingParams
 

@@ -19,9 +19,7 @@ from ..helpers import (
     MODEL,
     PERSON,
     WEATHER,
-    RemoteServer,
     nested_schema_text,
-    server_engine_args,
 )
 from ..schema_bombs import ref_chain_schema_text, ref_diamond_schema
 
@@ -41,10 +39,8 @@ TIME = {
 
 
 @pytest.fixture(scope="module")
-def client():
-    server = RemoteServer([*server_engine_args(), "--max-num-seqs", "8", "--api-key", API_KEY])
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    server.stop()
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def chat(client, **kwargs):

@@ -181,8 +181,8 @@ _ARGS = {
 
 @pytest.mark.parametrize(
     ("command", "name"),
-    [  # make test-fast keeps a server's and the planner's; the whole suite each command's
-        pytest.param(c, n, id=f"{c}-{n}", marks=[] if c in ("serve", "plan") else [pytest.mark.slow])
+    [  # make test-fast keeps a server's; the whole suite each command's
+        pytest.param(c, n, id=f"{c}-{n}", marks=[] if c == "serve" else [pytest.mark.slow])
         for c, n in CLI_CASES
     ],
 )

@@ -19,6 +19,7 @@ from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
 from pagedllm.model.errors import ModelLoadError
 from pagedllm.model.gguf_convert import converted_folder
+from pagedllm.model.gguf_file import read_gguf
 from pagedllm.model.gguf_weights import iter_gguf_weights
 
 from ..helpers import (
@@ -211,8 +212,7 @@ def test_a_llama_gguf_with_experts_reads_as_mixtral(mixtral_gguf):
     feed_forward_length; Q and K un-permuted as for Llama; each expert's slice of the stacked
     tensors exactly what was written, kept in its blocks where quantized."""
     model, path, qtype = mixtral_gguf
-    reader = gguf.GGUFReader(str(path))
-    assert reader.fields["general.architecture"].contents() == "llama"
+    assert read_gguf(path).metadata["general.architecture"] == "llama"
     config = model_config_from_folder(converted_folder(path))
     assert config.architecture == ARCHITECTURE
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 96)

@@ -100,10 +100,10 @@ def test_startup_report_says_what_vllm_users_grep_for():
     "name",
     [
         "llama3-rope-untied",
-        "llama-linear-rope",
+        pytest.param("llama-linear-rope", marks=pytest.mark.slow),  # the fast set: one rope scaling
         "qwen2-bias",
         "qwen2-window",
-        "mistral",
+        pytest.param("mistral", marks=pytest.mark.slow),  # a window, as Qwen2's
         "qwen3-head-dim",
         "gemma3-window",
     ],
@@ -188,7 +188,11 @@ def test_an_image_and_text_gemma3_checkpoint_serves_its_language_model(tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("name", "architecture"), [("qwen3-head-dim", "Qwen3ForCausalLM"), ("gemma3-gguf", "Gemma3ForCausalLM")]
+    ("name", "architecture"),
+    [  # make test-fast keeps Gemma 3's, the file with the most to undo
+        pytest.param("qwen3-head-dim", "Qwen3ForCausalLM", marks=pytest.mark.slow),
+        ("gemma3-gguf", "Gemma3ForCausalLM"),
+    ],
 )
 def test_a_gguf_loads_as_its_hf_folder(name, architecture, tmp_path, monkeypatch):
     """Qwen3 (head_dim apart from hidden / heads) and Gemma 3 (norms stored as 1 + weight, two

@@ -120,7 +120,11 @@ def assert_matches_reference(model, llm: LLM, label: str) -> float:
 
 @pytest.mark.parametrize(
     ("norm_topk_prob", "original_format"),
-    [(True, True), (False, True), (True, False)],
+    [  # make test-fast: stacked experts renormalize; the released layout does not
+        pytest.param(True, True, marks=pytest.mark.slow),
+        (False, True),
+        (True, False),
+    ],
     ids=["renormalized", "not-renormalized", "stacked-experts"],
 )
 def test_greedy_and_logprobs_match_transformers(norm_topk_prob, original_format, tmp_path):

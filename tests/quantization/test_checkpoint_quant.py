@@ -225,7 +225,9 @@ def test_checkpoint_weights_read_without_loss(fmt, tmp_path):
 # The mean / max |logprob difference| kept quantized against dequantized, over 4 tiny models
 # (Qwen2, Llama 3, Mistral, Qwen3) in AWQ, GPTQ and W8A8: 0.04-0.11 / 0.13-0.70. Bounds at about
 # twice the largest leave room for another CPU's rounding.
-@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[5]], ids=str)
+@pytest.mark.parametrize(
+    "fmt", [FORMATS[0], pytest.param(FORMATS[5], marks=pytest.mark.slow)], ids=str
+)  # make test-fast keeps AWQ
 def test_quantized_checkpoint_served_matches_transformers_on_its_weights(fmt, tmp_path):
     """An AWQ and a W8A8 checkpoint of a tiny random Qwen2: dequantized at load (--quantization
     none), float32 greedy tokens equal transformers' on the same weights; kept quantized (the

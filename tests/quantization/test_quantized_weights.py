@@ -221,7 +221,11 @@ def _run(model, quantization: str | None) -> Run:
 # 0.12 / 0.07 and 0.86 / 0.86). Bounds at about twice the largest leave room for another CPU's
 # rounding and still tell 8 bits from 4.
 @pytest.mark.parametrize(("quantization", "tolerance"), [("int8", 0.35), ("int4", 2.5)])
-@pytest.mark.parametrize("kernel", [True, False], ids=["integer-kernel", "dequantized"])
+@pytest.mark.parametrize(
+    "kernel",  # make test-fast keeps the integer kernel, the whole suite both
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["integer-kernel", "dequantized"],
+)
 def test_float_checkpoint_quantized_at_load_stays_near_it(
     quantization, tolerance, kernel, tmp_path, monkeypatch
 ):
