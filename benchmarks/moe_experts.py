@@ -1,12 +1,18 @@
-"""A mixture-of-experts file's decode speed with its experts grouped (cpu_ops.moe_quant_linear: two
-calls a layer for all of a step's experts) and one call per expert, in turn in one process.
+"""A mixture-of-experts file's decode speed computed three ways, in turn in one process:
+
+- `grouped`: as served: the router on its timed float path, the pairs grouped by expert in one C++
+  pass (cpu_ops.moe_align), a step's experts in two calls (cpu_ops.moe_quant_linear);
+- `torch routing`: the same experts, the router through F.linear and the pairs grouped by
+  PyTorch's ops (fused_moe.align_pairs), as before the C++ pass;
+- `per expert`: PyTorch's routing and two calls per expert.
 
     .venv/bin/python benchmarks/moe_experts.py FILE.gguf [--rows 1 8] [--rounds 3]
 
 Per round and row count: `rows` requests of 128 random token ids, 32 greedy tokens each, decoded
-together; output tokens/s over the decode steps (after the first token). Both ways compute the same
-results bit for bit (tests/model/test_qwen3_moe.py), so only the time differs. The rounds alternate
-the two ways; the ratio printed is grouped / per expert, the medians of the rounds.
+together; output tokens/s over the decode steps (after the first token). The ways give the same
+experts' results bit for bit (tests/model/test_qwen3_moe.py; the router's paths sum in different
+orders, so its logits may differ in the last bit). The rounds rotate the order of the ways; the
+ratios printed are of the medians of the rounds, against `per expert` and `torch routing`.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ import argparse
 import statistics
 
 import numpy as np
+import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.fused_moe import FusedMoE, Router, align_pairs
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 32
 
@@ -41,6 +48,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
+    choose = Router.choose_impl
+
+    def keeping_plain(router: Router, *args: object) -> None:  # the weight as loaded, before packing
+        router.plain_weight = router.weight  # type: ignore[attr-defined]
+        choose(router, *args)  # type: ignore[arg-type]
+
+    Router.choose_impl = keeping_plain  # type: ignore[method-assign]
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -50,28 +64,38 @@ def main() -> None:
         kv_cache_memory_bytes="1GiB",
         disable_log_stats=True,
     )
-    blocks = [m for m in llm.llm_engine.core.worker.model.modules() if isinstance(m, FusedMoE)]
-    grouped = [block.grouped for block in blocks]
-    if not blocks or any(g is None for g in grouped):
+    model = llm.llm_engine.core.worker.model
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    served = [(block.grouped, block.align) for block in blocks]
+    router_paths = [(router.impl, router.weight) for router in routers]
+    plain_weights = [router.plain_weight for router in routers]  # type: ignore[attr-defined]
+    if not blocks or any(grouped is None for grouped, _ in served):
         raise SystemExit(f"{args.model}: no experts packed for the integer kernel, nothing to compare")
 
     def use(way: str) -> None:
-        for block, kernel in zip(blocks, grouped, strict=True):
-            block.grouped = kernel if way == "grouped" else None
+        for block, (grouped, align) in zip(blocks, served, strict=True):
+            block.grouped = grouped if way != "per expert" else None
+            block.align = align if way == "grouped" else align_pairs
+        for router, (impl, weight), plain in zip(routers, router_paths, plain_weights, strict=True):
+            router.impl, router.weight = (impl, weight) if way == "grouped" else (F.linear, plain)
 
+    ways = ["grouped", "torch routing", "per expert"]
     for rows in args.rows:
         decode_tok_s(llm, rows, seed=1000)  # warm-up
-        rates: dict[str, list[float]] = {"grouped": [], "per expert": []}
+        rates: dict[str, list[float]] = {way: [] for way in ways}
         for r in range(args.rounds):
-            for way in ("grouped", "per expert") if r % 2 == 0 else ("per expert", "grouped"):
+            for way in ways[r % 3 :] + ways[: r % 3]:
                 use(way)
                 rates[way].append(decode_tok_s(llm, rows, seed=r))
-                rate = rates[way][-1]
-                print(f"{rows} rows, round {r + 1}, {way:10s}: {rate:6.2f} output tok/s", flush=True)
+                print(
+                    f"{rows} rows, round {r + 1}, {way:13s}: {rates[way][-1]:6.2f} output tok/s", flush=True
+                )
         medians = {way: statistics.median(values) for way, values in rates.items()}
         print(
-            f"{rows} rows: grouped {medians['grouped']:.2f} / per expert {medians['per expert']:.2f} output "
-            f"tok/s = {medians['grouped'] / medians['per expert']:.2f}x"
+            f"{rows} rows: " + " / ".join(f"{way} {medians[way]:.2f}" for way in ways) + " output tok/s; "
+            f"grouped / torch routing {medians['grouped'] / medians['torch routing']:.2f}x, "
+            f"grouped / per expert {medians['grouped'] / medians['per expert']:.2f}x"
         )
     use("grouped")
 

@@ -47,6 +47,7 @@ _SOURCES = [
         "quant_linear_cpu.cpp",
         "gguf_pack_cpu.cpp",
         "argmax_cpu.cpp",
+        "moe_align_cpu.cpp",
         "python_bindings.cpp",
     )
 ]
@@ -283,6 +284,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if on_cpu and logits.is_contiguous() and is_built():
         return _ops().argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's (token, expert) pairs grouped by expert in one pass (csrc/moe_align_cpu.cpp):
+    (experts chosen, ascending; offsets of their groups; each grouped pair's token; its weight
+    [pairs, 1]; where each token's pairs went, ascending). layers/fused_moe.align_pairs is the
+    same in PyTorch's ops."""
+    return _ops().moe_align(topk_ids, topk_weights, num_experts)
 
 
 def rotary_write_kv(

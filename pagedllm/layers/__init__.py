@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import LinearBackend
-from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.fused_moe import FusedMoE, Router
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.linear_dispatch import LinearDispatch
 
@@ -39,7 +39,7 @@ def choose_impls(
         if isinstance(module, Linear):
             module.choose_impl(device, dtype, dispatch)
     for module in modules:
-        if isinstance(module, FusedMoE):
+        if isinstance(module, (FusedMoE, Router)):
             module.choose_impl(device, dtype, dispatch)
         elif isinstance(module, ChoosesImpl) and not isinstance(module, Linear):
             module.choose_impl(device, dtype)

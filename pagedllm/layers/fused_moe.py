@@ -21,6 +21,8 @@ kernel). Both give the same bits; the grouped one is the faster (docs/benchmarks
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,8 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.linear import Loaded, MergedColumnParallelLinear, RowParallelLinear, copy_weight
-from pagedllm.layers.linear_dispatch import LinearDispatch
+from pagedllm.layers.linear_dispatch import LinearDispatch, LinearImpl
+from pagedllm.layers.linear_method import FloatLinearMethod
 from pagedllm.layers.quantization import BlockQuantized
 
 
@@ -48,13 +51,23 @@ def select_experts(
     return (weights if float32_weights else weights.to(router_logits.dtype)), expert_ids
 
 
+PairAligner = Callable[
+    [torch.Tensor, torch.Tensor, int],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""align_pairs or cpu_ops.moe_align."""
+
+
 class Router(DirectCall, nn.Module):
     """The router's projection, [num_experts, hidden_size], kept float whatever the file holds:
-    the choice of experts is decided by its logits, so it is not computed from quantized inputs."""
+    the choice of experts is decided by its logits, so it is not computed from quantized inputs.
+    On CPU it takes the float path the projections' dispatch times (a decode step's router through
+    oneDNN cost ~0.1 ms a layer, the few-rows kernel ~0.02: docs/benchmarks/moe.md)."""
 
     def __init__(self, num_experts: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.impl: LinearImpl = F.linear
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         """A router stored in quantized blocks is dequantized (exactly) into the float weight."""
@@ -62,9 +75,16 @@ class Router(DirectCall, nn.Module):
             loaded = loaded.dequantize(param.dtype)
         copy_weight(param.data, loaded)
 
+    def choose_impl(self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch) -> None:
+        """The float path `dispatch` chooses for the weight, as a float projection's."""
+        prepared = FloatLinearMethod().prepare(self.weight, device, dtype, dispatch)
+        if prepared.weight is not self.weight:
+            self.weight = nn.Parameter(prepared.weight, requires_grad=False)
+        self.impl = prepared.impl
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> router logits [num_tokens, num_experts]."""
-        return F.linear(hidden, self.weight)
+        return self.impl(hidden, self.weight, None)
 
 
 class SparseMoeBlock(DirectCall, nn.Module):
@@ -110,13 +130,18 @@ class FusedMoE(DirectCall, nn.Module):
         for index, mlp in enumerate(self.expert_mlps):  # named 0, 1, ...: a checkpoint's experts.E.*
             self.add_module(str(index), mlp)
         self.act_fn: nn.Module = SiluAndMul()
+        self.num_experts = num_experts
         self.grouped: GroupedExperts | None = None
         """The experts' packed weights for the grouped kernel, where every one is packed for it."""
+        self.align: PairAligner = align_pairs
 
     def choose_impl(self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch) -> None:
-        """After the experts' projections have chosen (layers.choose_impls): where each holds one
-        packed quantized weight for the integer kernel, a step's experts run in two grouped calls
-        (gate_up, down) instead of two calls an expert."""
+        """After the experts' projections have chosen (layers.choose_impls): on CPU the pairs are
+        grouped in one C++ pass; where each expert holds one packed quantized weight for the
+        integer kernel, a step's experts run in two grouped calls (gate_up, down) instead of two
+        calls an expert."""
+        if device.type == "cpu" and cpu_ops.is_built():
+            self.align = cpu_ops.moe_align
         projections = [p for mlp in self.expert_mlps for p in (mlp.gate_up_proj, mlp.down_proj)]
         if all(p.weight_format and "+" not in p.weight_format for p in projections):
             self.grouped = GroupedExperts(
@@ -133,9 +158,8 @@ class FusedMoE(DirectCall, nn.Module):
         their weights, summed over its k in expert order (transformers adds them in that order, one
         by one; torch.sum accumulates a bfloat16 sum in float32 and rounds it once).
 
-        The pairs, flattened token by token, sorted by expert (stably: a group's rows stay in
-        token order); their rows gathered once, each group computed over its slice of them, then
-        each token's k results gathered back and summed:
+        The pairs, grouped by expert (align_pairs); their rows gathered once, each group computed
+        over its slice of them, then each token's k results gathered back and summed:
 
             topk_ids  [[5, 1], [1, 3], [5, 3]]   ->  pairs (t0,5) (t0,1) (t1,1) (t1,3) (t2,5) (t2,3)
             by expert   1: t0 t1 | 3: t1 t2 | 5: t0 t2   (one gate_up and one down per group)
@@ -147,27 +171,38 @@ class FusedMoE(DirectCall, nn.Module):
         top_k, hidden_size] each (a 2,048-token bfloat16 prefill step of Qwen3-30B-A3B: 64 MiB).
         """
         num_tokens, top_k = topk_ids.shape
-        sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)  # [num_tokens * top_k] pairs
-        experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        x = hidden.index_select(0, order // top_k)  # each pair's token row, grouped by expert
-        pair_weights = topk_weights.flatten()[order].unsqueeze(1)  # [num_tokens * top_k, 1]
+        experts, offsets, pair_tokens, pair_weights, where = self.align(
+            topk_ids, topk_weights, self.num_experts
+        )
+        x = hidden.index_select(0, pair_tokens)  # each pair's token row, grouped by expert
         if self.grouped is not None:
-            y = self.grouped(x, experts.tolist(), counts, self.act_fn) * pair_weights
+            y = self.grouped(x, experts.tolist(), offsets, self.act_fn) * pair_weights
         else:
             y = torch.empty_like(x)  # each pair's weighted output, in the same order
-            start = 0
-            for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-                end = start + count
+            bounds = offsets.tolist()
+            for expert, start, end in zip(experts.tolist(), bounds, bounds[1:], strict=False):
                 mlp = self.expert_mlps[expert]
                 y[start:end] = (
                     mlp.down_proj(self.act_fn(mlp.gate_up_proj(x[start:end]))) * pair_weights[start:end]
                 )
-                start = end
-        # where each token's pairs landed; ascending = by expert, as sorted
-        where = torch.empty_like(order)
-        where[order] = torch.arange(order.numel(), device=order.device)
-        where = where.view(num_tokens, top_k).sort(dim=1).values
-        return y.index_select(0, where.flatten()).view(num_tokens, top_k, -1).sum(dim=1)
+        return y.index_select(0, where).view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def align_pairs(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's (token, expert) pairs, flattened token by token, sorted by expert (stably: a
+    group's pairs stay in token order). Returns (the experts chosen, ascending; offsets [G + 1] of
+    their groups; each grouped pair's token; its weight [pairs, 1]; where each token's pairs went,
+    ascending, that is in expert order). cpu_ops.moe_align gives the same in one pass."""
+    top_k = topk_ids.shape[1]
+    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    offsets = F.pad(counts.cumsum(0), (1, 0))
+    where = torch.empty_like(order)
+    where[order] = torch.arange(order.numel(), device=order.device)
+    where = where.view(-1, top_k).sort(dim=1).values.flatten()
+    return experts, offsets, order // top_k, topk_weights.flatten()[order].unsqueeze(1), where
 
 
 class GroupedExperts:
@@ -179,11 +214,10 @@ class GroupedExperts:
         self.gate_up, self.down, self.stream_ahead = gate_up, down, stream_ahead
 
     def __call__(
-        self, x: torch.Tensor, experts: list[int], counts: torch.Tensor, act_fn: nn.Module
+        self, x: torch.Tensor, experts: list[int], offsets: torch.Tensor, act_fn: nn.Module
     ) -> torch.Tensor:
-        """x: the pairs' rows grouped by expert, `counts` of them for each of `experts` in turn ->
-        each row's expert output, unweighted."""
-        offsets = F.pad(counts.cumsum(0), (1, 0))
+        """x: the pairs' rows grouped by expert, rows offsets[g] .. offsets[g + 1] for experts[g]
+        -> each row's expert output, unweighted."""
         gate_up = cpu_ops.moe_quant_linear(x, [self.gate_up[e] for e in experts], offsets, self.stream_ahead)
         return cpu_ops.moe_quant_linear(
             act_fn(gate_up), [self.down[e] for e in experts], offsets, self.stream_ahead

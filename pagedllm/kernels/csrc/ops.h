@@ -46,6 +46,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t b
 at::Tensor moe_quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed, const at::Tensor& offsets,
                             int64_t stream_ahead);
 at::Tensor argmax_rows(const at::Tensor& logits);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids,
+                                                                                 const at::Tensor& topk_weights,
+                                                                                 int64_t num_experts);
 at::Tensor gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::string& format, int64_t k);
 
 }  // namespace pagedllm_ops

@@ -16,5 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &pagedllm_ops::quant_linear, Release());
   m.def("moe_quant_linear", &pagedllm_ops::moe_quant_linear, Release());
   m.def("argmax_rows", &pagedllm_ops::argmax_rows, Release());
+  m.def("moe_align", &pagedllm_ops::moe_align, Release());
   m.def("gguf_rows", &pagedllm_ops::gguf_rows, Release());
 }
