@@ -59,6 +59,9 @@ class ModelConfig:
     """Every this-many-th layer is sparse (layer i where (i + 1) % step == 0) ..."""
     mlp_only_layers: tuple[int, ...] = ()
     """... except these, which keep the dense MLP."""
+    shared_expert_intermediate_size: int | None = None
+    """Qwen2-MoE: the width of the dense expert every token of a sparse layer takes beside its
+    routed ones (its output scaled by a one-output gate); None: no shared expert."""
 
     @property
     def q_size(self) -> int:
@@ -86,6 +89,11 @@ class ModelConfig:
         h = self.hidden_size
         return self.num_experts * 3 * h * self.moe_intermediate_size, self.num_experts * h
 
+    def _shared_expert_parameters(self) -> tuple[int, int]:
+        """A sparse layer's shared expert's (projections, gate) parameters; none without one."""
+        width = self.shared_expert_intermediate_size or 0
+        return 3 * self.hidden_size * width, self.hidden_size if width else 0
+
     @property
     def attention_scale(self) -> float:
         """What scores are scaled by: query_pre_attn_scalar ** -0.5 where the model sets it (Gemma),
@@ -110,7 +118,8 @@ class ModelConfig:
         embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
         experts = 0
         if self.num_experts is not None:  # experts and their router in place of the dense MLP
-            experts = self.num_sparse_layers * (sum(self._experts_parameters()) - 3 * h * i)
+            shared = sum(self._shared_expert_parameters())
+            experts = self.num_sparse_layers * (sum(self._experts_parameters()) + shared - 3 * h * i)
         return layers * per_layer + experts + embeddings + h
 
     def active_parameters(self, tp_size: int = 1) -> int:
@@ -132,7 +141,8 @@ class ModelConfig:
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + mlp
         experts = 0
         if self.num_experts is not None:  # each sparse layer's experts in place of the dense MLP
-            experts = self.num_sparse_layers * (self._experts_parameters()[0] - mlp)
+            shared = self._shared_expert_parameters()[0]
+            experts = self.num_sparse_layers * (self._experts_parameters()[0] + shared - mlp)
         return (self.num_hidden_layers * per_layer + experts) // tp_size
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:

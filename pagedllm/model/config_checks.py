@@ -37,6 +37,7 @@ MODEL_BOUNDS: dict[str, tuple[int, int]] = {
     "num_local_experts": (1, 4096),
     "num_experts_per_tok": (1, 4096),
     "moe_intermediate_size": (1, 2**20),
+    "shared_expert_intermediate_size": (1, 2**20),
     "decoder_sparse_step": (1, 1024),
 }
 """The most any real model has, with room to spare (the largest open models of 2025: 126 layers,
@@ -66,7 +67,7 @@ TORCH_DTYPES = frozenset(
     {"float32", "float16", "bfloat16", "float64", "float", "half", "double", "float8_e4m3fn", "float8_e5m2"}
 )
 """config.json's torch_dtype / dtype: a name torch has (transformers looks it up as torch.<name>)."""
-BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob")
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "use_sliding_window", "norm_topk_prob")
 REQUIRED_FIELDS = (
     "vocab_size",
     "hidden_size",

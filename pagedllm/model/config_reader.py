@@ -57,6 +57,9 @@ def _checked(
     names: dict[str, str] | None,
 ) -> ModelConfig:
     """model_config_from_dict's work: the checks around the making."""
+    qwen2_moe = isinstance(config, dict) and config.get("architectures") == ["Qwen2MoeForCausalLM"]
+    if qwen2_moe and config.get("sliding_window") == 0:
+        config = {k: v for k, v in config.items() if k != "sliding_window"}  # transformers' "none" there
     check_config_fields(config, source, names, partial=True)
     architectures = config.get("architectures") or []
     if not isinstance(architectures, list):
@@ -87,7 +90,7 @@ def _from_checked_dict(config: dict[str, Any], generation_config: dict[str, Any]
         rope_scaling, rope_theta = own_fields.pop("rope_scaling"), own_fields.pop("rope_theta")
     else:
         own_fields = {"layer_windows": _layer_windows(arch, config)}
-    if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         own_fields |= _moe_settings(arch, config)
     return ModelConfig(
         architecture=arch,
@@ -103,7 +106,7 @@ def _from_checked_dict(config: dict[str, Any], generation_config: dict[str, Any]
         rope_scaling=rope_scaling,
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=config.get("tie_word_embeddings", arch == "Gemma3ForCausalLM"),
-        attention_bias=config.get("attention_bias", arch == "Qwen2ForCausalLM"),
+        attention_bias=_attention_bias(arch, config),
         torch_dtype=config.get("torch_dtype") or config.get("dtype"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos_ids(config, generation_config or {}),
@@ -140,6 +143,14 @@ def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float
     return scaling, float(theta)
 
 
+def _attention_bias(architecture: str, config: dict[str, Any]) -> bool:
+    """Bias on the query, key and value projections: Qwen2's by default, Qwen2-MoE's unless its
+    qkv_bias says otherwise, the others' where attention_bias says so."""
+    if architecture == "Qwen2MoeForCausalLM":
+        return bool(config.get("qkv_bias", True))
+    return bool(config.get("attention_bias", architecture == "Qwen2ForCausalLM"))
+
+
 def _layer_windows(architecture: str, config: dict[str, Any]) -> tuple[int | None, ...] | None:
     """Which layers slide, and by how much, as transformers' Mistral and Qwen2 / Qwen3 decide it
     (their config classes' defaults included: sliding_window 4096, max_window_layers 28), and
@@ -152,6 +163,16 @@ def _layer_windows(architecture: str, config: dict[str, Any]) -> tuple[int | Non
     window = config.get("sliding_window", 4096)
     if architecture == "MistralForCausalLM":
         return None if window is None else (window,) * num_layers
+    if architecture == "Qwen2MoeForCausalLM" and config.get("use_sliding_window") and window:
+        # transformers' Qwen2-MoE: every other layer below max_window_layers, where layer_types
+        # does not say otherwise
+        first_full = config.get("max_window_layers", 28)
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < first_full else "full_attention"
+            for i in range(num_layers)
+        ]
+        windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+        return windows if any(windows) else None
     if architecture == "Qwen3MoeForCausalLM":  # every layer slides, where the config says so
         return (window,) * num_layers if config.get("use_sliding_window") and window is not None else None
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or window is None:
@@ -204,6 +225,11 @@ def _moe_settings(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": config.get("norm_topk_prob", False),
         "decoder_sparse_step": config.get("decoder_sparse_step") or 1,
         "mlp_only_layers": tuple(sorted(set(config.get("mlp_only_layers") or ()))),
+        "shared_expert_intermediate_size": (
+            config.get("shared_expert_intermediate_size", 5632)
+            if architecture == "Qwen2MoeForCausalLM"
+            else None
+        ),
     }
 
 

@@ -63,12 +63,13 @@ class LlamaAttention(DirectCall, nn.Module):
 
 
 class LlamaMLP(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: a width other than the config's (Qwen2-MoE's shared expert)."""
         super().__init__()
-        sizes = [config.intermediate_size] * 2
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, sizes, False, tp)
+        width = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2, False, tp)
         self.act_fn: nn.Module = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.layers.fused_moe import FusedMoE
 
-from ..helpers import TEST_ENGINE_ARGS
+from ..helpers import TEST_ENGINE_ARGS, assert_greedy_equal, hf_greedy
 
 
 def eager_random_model(config):
@@ -51,3 +51,29 @@ def engine(path, **overrides) -> LLM:
 
 def moe_blocks(llm: LLM) -> list[FusedMoE]:
     return [m for m in llm.llm_engine.core.worker.model.modules() if isinstance(m, FusedMoE)]
+
+
+TOLERANCE = 2e-5
+"""|logprob difference| allowed against transformers in float32: the same weights and ops, summed in
+another order by the C++ kernels (seen: under 1e-5)."""
+
+
+def assert_matches_transformers(
+    model, llm: LLM, label: str, prompt_ids: list[list[int]], new_tokens: int
+) -> None:
+    """The prompts in one call (batched, a prefill over the 16-token budget chunked), greedy:
+    pagedllm's tokens are transformers' (each prompt alone; up to a near tie of the reference,
+    where another CPU's rounding may part the runs), each logprob until then within TOLERANCE."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    for ids, output in zip(prompt_ids, outputs, strict=True):
+        ours = output.outputs[0]
+        with one_thread():
+            tokens, logits = hf_greedy(model, ids, new_tokens)
+        assert_greedy_equal(list(ours.token_ids), tokens, logits, f"{label}: prompt of {len(ids)}")
+        for step, (token, theirs) in enumerate(zip(ours.token_ids, tokens, strict=True)):
+            if token != theirs:
+                break
+            reference = float(torch.log_softmax(logits[step], -1)[token])
+            difference = abs(ours.logprobs[step][token].logprob - reference)
+            assert difference < TOLERANCE, f"{label}: prompt of {len(ids)}, step {step}: {difference:.2e}"

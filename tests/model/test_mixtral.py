@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
@@ -24,21 +24,24 @@ from pagedllm.model.gguf_weights import iter_gguf_weights
 
 from ..helpers import (
     TINY,
-    assert_greedy_equal,
     hf_greedy,
     save_with_random_norms,
     write_tiny_gguf,
 )
-from .moe_helpers import eager_random_model, engine, moe_blocks, one_thread, random_prompts
+from .moe_helpers import (
+    assert_matches_transformers,
+    eager_random_model,
+    engine,
+    moe_blocks,
+    one_thread,
+    random_prompts,
+)
 
 KIND = gguf.GGMLQuantizationType
 ARCHITECTURE = "MixtralForCausalLM"
 NUM_EXPERTS = 4
 NEW_TOKENS = 12
 PROMPT_LENGTHS = (5, 17, 33)  # over the 16-token budget below: chunked prefill
-TOLERANCE = 2e-5
-"""|logprob difference| allowed against transformers in float32: the same weights and ops, summed in
-another order by the C++ kernels (seen here: under 1e-5)."""
 
 
 def mixtral_config(**overrides):
@@ -62,25 +65,6 @@ def random_model(**overrides):
 
 def prompts() -> list[list[int]]:
     return random_prompts(PROMPT_LENGTHS)
-
-
-def assert_matches_reference(model, llm: LLM, label: str, prompt_ids: list[list[int]]) -> None:
-    """The prompts in one call (batched, a prefill over the 16-token budget chunked), greedy:
-    pagedllm's tokens are transformers' (each prompt alone; up to a near tie of the reference,
-    where another CPU's rounding may part the runs), each logprob until then within TOLERANCE."""
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    for ids, output in zip(prompt_ids, outputs, strict=True):
-        ours = output.outputs[0]
-        with one_thread():
-            tokens, logits = hf_greedy(model, ids, NEW_TOKENS)
-        assert_greedy_equal(list(ours.token_ids), tokens, logits, f"{label}: prompt of {len(ids)}")
-        for step, (token, theirs) in enumerate(zip(ours.token_ids, tokens, strict=True)):
-            if token != theirs:
-                break
-            reference = float(torch.log_softmax(logits[step], -1)[token])
-            difference = abs(ours.logprobs[step][token].logprob - reference)
-            assert difference < TOLERANCE, f"{label}: prompt of {len(ids)}, step {step}: {difference:.2e}"
 
 
 def tensor_names(folder) -> set[str]:
@@ -121,7 +105,7 @@ def test_released_names_load_and_match_transformers(mixtral_model, mixtral_folde
     assert config.num_parameters() == sum(p.numel() for p in mixtral_model.parameters())
     llm = engine(mixtral_folder)
     assert len(moe_blocks(llm)) == 2
-    assert_matches_reference(mixtral_model, llm, "released names", prompts()[:2])
+    assert_matches_transformers(mixtral_model, llm, "released names", prompts()[:2], NEW_TOKENS)
 
 
 def test_transformers_stacked_experts_load(tmp_path):
@@ -131,7 +115,7 @@ def test_transformers_stacked_experts_load(tmp_path):
     model.save_pretrained(tmp_path, save_original_format=False)
     names = tensor_names(tmp_path)
     assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"} <= names
-    assert_matches_reference(model, engine(tmp_path), "stacked experts", prompts()[:1])
+    assert_matches_transformers(model, engine(tmp_path), "stacked experts", prompts()[:1], NEW_TOKENS)
 
 
 def test_a_sliding_window_slides_every_layer(tmp_path):
@@ -140,7 +124,7 @@ def test_a_sliding_window_slides_every_layer(tmp_path):
     model = random_model(sliding_window=8)
     save_with_random_norms(model, tmp_path)
     assert model_config_from_folder(tmp_path).layer_windows == (8, 8)
-    assert_matches_reference(model, engine(tmp_path), "sliding window", prompts()[2:])
+    assert_matches_transformers(model, engine(tmp_path), "sliding window", prompts()[2:], NEW_TOKENS)
 
 
 def test_every_expert_chosen_when_top_k_is_all_of_them(tmp_path):
@@ -149,7 +133,7 @@ def test_every_expert_chosen_when_top_k_is_all_of_them(tmp_path):
     model = random_model(num_experts_per_tok=NUM_EXPERTS)
     save_with_random_norms(model, tmp_path)
     assert model_config_from_folder(tmp_path).num_experts_per_tok == NUM_EXPERTS
-    assert_matches_reference(model, engine(tmp_path), "top-k all", prompts()[1:2])
+    assert_matches_transformers(model, engine(tmp_path), "top-k all", prompts()[1:2], NEW_TOKENS)
 
 
 def test_an_expert_beyond_the_config_is_refused(mixtral_folder, tmp_path):
@@ -245,7 +229,7 @@ def test_gguf_matches_transformers(mixtral_gguf):
     """--quantization none: the experts as float32 (Q8_0's dequantized), tokens and logprobs as
     transformers' on the same weights."""
     model, path, qtype = mixtral_gguf
-    assert_matches_reference(model, engine(path), f"{qtype.name} GGUF", prompts()[:2])
+    assert_matches_transformers(model, engine(path), f"{qtype.name} GGUF", prompts()[:2], NEW_TOKENS)
 
 
 @pytest.mark.skipif(not cpu_ops.serves_quant_linear(4, 64, 64), reason="no integer kernel on this build")

@@ -1,0 +1,78 @@
+"""Qwen2-MoE (model/qwen2_moe.py) against transformers' Qwen2MoeForCausalLM on the same random
+weights: routed experts beside a gated shared expert, bias on q/k/v, a dense layer among the
+sparse ones; float32 greedy tokens and logprobs, the parameter counts, the config's bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.model.config_reader import model_config_from_dict, model_config_from_folder
+
+from ..helpers import TINY, save_with_random_norms
+from .moe_helpers import assert_matches_transformers, eager_random_model, engine, moe_blocks, random_prompts
+
+ARCHITECTURE = "Qwen2MoeForCausalLM"
+NEW_TOKENS = 12
+
+
+def qwen2_moe_config(**overrides):
+    """4 layers, layer 2 dense (mlp_only_layers), the others 8 experts of width 96, top-2 not
+    renormalized (as the released models), and a shared expert of width 160."""
+    from transformers import Qwen2MoeConfig
+
+    fields = TINY | {
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "shared_expert_intermediate_size": 160,
+        "mlp_only_layers": [2],
+        "tie_word_embeddings": False,
+        "architectures": [ARCHITECTURE],
+    }
+    return Qwen2MoeConfig(**(fields | overrides))
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    model = eager_random_model(qwen2_moe_config())
+    folder = tmp_path_factory.mktemp("qwen2moe")
+    save_with_random_norms(model, folder)
+    return model, folder
+
+
+def test_greedy_and_logprobs_match_transformers(qwen2_moe):
+    model, folder = qwen2_moe
+    config = model_config_from_folder(folder)
+    assert config.attention_bias and config.shared_expert_intermediate_size == 160
+    assert [config.is_sparse_layer(i) for i in range(4)] == [True, True, False, True]
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    llm = engine(folder)
+    assert len(moe_blocks(llm)) == 3
+    assert_matches_transformers(model, llm, "qwen2-moe", random_prompts((5, 17, 33)), NEW_TOKENS)
+
+
+def test_the_shared_expert_counts_as_active_and_quantizable(qwen2_moe):
+    model, _ = qwen2_moe
+    config = model_config_from_dict(qwen2_moe_config().to_dict())
+    h, layers = config.hidden_size, model.config.num_hidden_layers
+    routed_idle = 3 * (8 - 2) * 3 * h * 96  # 3 sparse layers, 6 of 8 experts idle a token
+    assert config.active_parameters() == config.num_parameters() - routed_idle
+    shared = 3 * 3 * h * 160  # every sparse layer's shared expert
+    dense_mlp = 3 * h * config.intermediate_size
+    attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
+    experts = 3 * 8 * 3 * h * 96
+    assert config.projection_parameters() == layers * attention + dense_mlp + experts + shared
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+        ({"shared_expert_intermediate_size": 2**30}, "shared_expert_intermediate_size"),
+        ({"qkv_bias": "yes"}, "qkv_bias"),
+    ],
+)
+def test_a_config_out_of_bounds_is_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        model_config_from_dict(qwen2_moe_config().to_dict() | change)
