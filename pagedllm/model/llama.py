@@ -119,6 +119,8 @@ class LlamaForCausalLM(DirectCall, nn.Module):
     """The layer a variant builds on this model (Qwen3ForCausalLM: its own, model/qwen3.py)."""
 
     def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
+        if config.num_experts is not None and tp is not None and tp.world_size > 1:
+            raise ValueError(f"{config.architecture} runs on one rank: its experts are not split over ranks")
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(

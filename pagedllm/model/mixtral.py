@@ -53,8 +53,3 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     decoder_layer_class = MixtralDecoderLayer
-
-    def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
-        if tp is not None and tp.world_size > 1:
-            raise ValueError(f"{config.architecture} runs on one rank: its experts are not split over ranks")
-        super().__init__(config, max_position, tp)

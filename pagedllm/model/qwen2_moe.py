@@ -58,8 +58,3 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     decoder_layer_class = Qwen2MoeDecoderLayer
-
-    def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
-        if tp is not None and tp.world_size > 1:
-            raise ValueError(f"{config.architecture} runs on one rank: its experts are not split over ranks")
-        super().__init__(config, max_position, tp)

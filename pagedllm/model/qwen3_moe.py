@@ -48,8 +48,3 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     decoder_layer_class = Qwen3MoeDecoderLayer
-
-    def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
-        if tp is not None and tp.world_size > 1:
-            raise ValueError(f"{config.architecture} runs on one rank: its experts are not split over ranks")
-        super().__init__(config, max_position, tp)
