@@ -3,7 +3,7 @@ the same random weights: HF folders (per-expert tensors as save_pretrained write
 transformers' own stacked layout), GGUFs with the experts stacked and quantized as llama.cpp stores
 them, prefix caching and an int8 KV cache against the plain path, the routing edge cases on the
 block alone, the sparse layers and parameter counts against transformers' model, and the configs
-refused."""
+refused, and `eval weight-quant` over quantized experts."""
 
 from __future__ import annotations
 
@@ -675,3 +675,22 @@ def test_tensor_parallel_is_refused_for_now():
     with pytest.raises(ValueError, match="mixture-of-experts model, runs on one rank"):
         config.check_tensor_parallel_size(2)
     config.check_tensor_parallel_size(1)
+
+
+@pytest.mark.slow  # an eval of its own; the fast set keeps the FP8 checkpoint's
+def test_eval_weight_quant_checks_the_experts_as_stored(quantized_gguf, capsys):
+    """`pagedllm eval weight-quant` on a GGUF whose experts are quantized: one row, the file as
+    served (experts in their blocks, the grouped kernel) against its values in float."""
+    import argparse
+
+    from pagedllm.eval import weight_quant
+
+    _, path, qtype = quantized_gguf
+    parser = argparse.ArgumentParser()
+    weight_quant.add_arguments(parser)
+    argv = ["--model", str(path), "--json", "--max-tokens", "4", "--dtype", "float32", "--max-model-len=512"]
+    weight_quant.main(parser.parse_args(argv))
+    (row,) = json.loads(capsys.readouterr().out)["formats"]
+    assert row["quantization"] == "gguf" and row["all_finite"] and row["weights_ratio"] < 1
+    if cpu_ops.serves_quant_linear(4, 32, 32):  # measured: -0.4% (Q8_0), -0.03% (Q4_0) on host C
+        assert abs(row["perplexity_relative_diff"]) < 0.05, qtype
