@@ -469,6 +469,10 @@ GGUF_LAYER_NAMES = {
     "mlp.experts.gate_proj": "ffn_gate_exps",
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",  # Qwen2-MoE's shared expert and its gate
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -521,6 +525,7 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
         "mixtral": "llama",
         "qwen3": "qwen3",
         "qwen3_moe": "qwen3moe",
+        "qwen2_moe": "qwen2moe",
         "gemma3_text": "gemma3",
     }[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -543,11 +548,13 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     else:
         rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
-    if config.model_type in ("qwen3_moe", "mixtral"):
+    if config.model_type in ("qwen3_moe", "qwen2_moe", "mixtral"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     for key, value, value_type, sub_type in _default_tokenizer_fields():
         writer.add_key_value(key, value, value_type, sub_type)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
@@ -556,6 +563,7 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
     for i in range(config.num_hidden_layers):
         for hf, ours in (GEMMA3_GGUF_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES).items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
+            names[f"model.layers.{i}.{hf}.bias"] = f"blk.{i}.{ours}.bias"  # Qwen2-MoE's q/k/v
     state = _experts_stacked_per_projection(model.state_dict())
     names = {hf: name for hf, name in names.items() if hf in state}  # q_norm, k_norm: Qwen3's only
     assert set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set()) == set(names)
@@ -568,6 +576,8 @@ def write_tiny_gguf(model, path, types: dict | None = None) -> None:
             heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
             shape = tensor.shape
             tensor = tensor.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
+        if kind == "ffn_gate_inp_shexp":
+            tensor = tensor.reshape(-1)  # llama.cpp keeps the one-row gate as a vector
         qtype = types.get(kind, gguf.GGMLQuantizationType.F32) if tensor.ndim in (2, 3) else None
         if qtype in (None, gguf.GGMLQuantizationType.F32):
             writer.add_tensor(gguf_name, np.ascontiguousarray(tensor))

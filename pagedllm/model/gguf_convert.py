@@ -55,8 +55,17 @@ _MOE_LAYER_TENSORS = _LAYER_TENSORS | {
 """Qwen3-MoE's and Mixtral's router, and their experts stacked one 3-D tensor per projection
 [experts, rows, columns] under the name llama.cpp's converter gives the stack (gguf_weights.py
 splits it)."""
+_QWEN2_MOE_LAYER_TENSORS = _MOE_LAYER_TENSORS | {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+"""Qwen2-MoE's shared expert beside the routed ones, and its gate (one row, which llama.cpp
+stores as a vector: hf_tensor_shape)."""
 _ARCHITECTURE_LAYER_TENSORS = {
     "Gemma3ForCausalLM": _GEMMA3_LAYER_TENSORS,
+    "Qwen2MoeForCausalLM": _QWEN2_MOE_LAYER_TENSORS,
     "Qwen3MoeForCausalLM": _MOE_LAYER_TENSORS,
     "MixtralForCausalLM": _MOE_LAYER_TENSORS,
 }
@@ -133,17 +142,25 @@ def _config_of(contents: GGUFContents, path: Path) -> dict[str, Any]:
         config = hf_config(metadata, arch)
         config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in contents.tensors)
         model_config = model_config_from_dict(config, source=str(path), names=metadata.field_names(arch))
-        listed = [
-            (
-                hf_tensor_name(tensor.name, model_config.architecture, path),
-                tuple(reversed(tensor.shape)),
-                tensor.name,
-            )
+        names = {
+            tensor.name: hf_tensor_name(tensor.name, model_config.architecture, path)
             for tensor in contents.tensors
             if tensor.name != "rope_freqs.weight"
+        }
+        listed = [
+            (names[tensor.name], hf_tensor_shape(names[tensor.name], tensor.shape), tensor.name)
+            for tensor in contents.tensors
+            if tensor.name in names
         ]
         check_tensors_against_config(listed, model_config, str(path))
     return config
+
+
+def hf_tensor_shape(hf_name: str, gguf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A GGUF tensor's shape as its checkpoint holds it, [out, in]: the GGUF's reversed, and
+    Qwen2-MoE's shared-expert gate, a vector in the file, as the one-row matrix it is."""
+    shape = tuple(reversed(gguf_shape))
+    return (1, *shape) if hf_name.endswith("mlp.shared_expert_gate.weight") and len(shape) == 1 else shape
 
 
 def hf_tensor_name(gguf_name: str, architecture: str, path: Path | None = None) -> str:

@@ -141,8 +141,8 @@ def hf_config(metadata: MetadataReader, arch: str) -> dict[str, Any]:
     if arch == "gemma3":
         check_config_fields(config, str(path), metadata.field_names(arch))  # before a loop over its layers
         config |= _gemma3_config(metadata, config)
-    if arch == "qwen3moe":
-        config |= _qwen3moe_config(metadata)
+    if arch in ("qwen3moe", "qwen2moe"):
+        config |= _experts_config(metadata, arch)
     if architecture == "MixtralForCausalLM":  # all layers sparse, experts of feed_forward_length
         config["num_local_experts"] = metadata.integer(p + "expert_count")
         config["num_experts_per_tok"] = metadata.integer(p + "expert_used_count")
@@ -173,18 +173,20 @@ def _check_token_ids_in_tokenizer(
 
 
 def _dense_width(metadata: MetadataReader, arch: str) -> Any:
-    """feed_forward_length's default: none (a dense model states it), but a Qwen3-MoE file whose
-    layers are all sparse may leave it out: then its experts' width, which no tensor is checked by."""
-    if arch == "qwen3moe":
+    """feed_forward_length's default: none (a dense model states it), but a Qwen3-MoE or Qwen2-MoE
+    file whose layers are all sparse may leave it out: then its experts' width, which no tensor is
+    checked by."""
+    if arch in ("qwen3moe", "qwen2moe"):
         return metadata.integer(f"{arch}.expert_feed_forward_length")
     return _REQUIRED
 
 
-def _qwen3moe_config(metadata: MetadataReader) -> dict[str, Any]:
-    """The experts' sizes, and what llama.cpp's graph fixes: the chosen experts' weights always
-    renormalized. llama.cpp makes every layer sparse; a layer that holds a dense MLP (ffn_down)
-    instead of a router is read as one of mlp_only_layers (transformers' configs may name some)."""
-    p = "qwen3moe."
+def _experts_config(metadata: MetadataReader, arch: str) -> dict[str, Any]:
+    """The experts' sizes, and what llama.cpp's graph fixes: the chosen experts' weights
+    renormalized for Qwen3-MoE, not for Qwen2-MoE (whose shared expert's width the file states).
+    llama.cpp makes every layer sparse; a layer that holds a dense MLP (ffn_down) instead of a
+    router is read as one of mlp_only_layers (transformers' configs may name some)."""
+    p = f"{arch}."
     dense = {
         int(parts[1])
         for tensor in metadata.contents.tensors
@@ -198,9 +200,13 @@ def _qwen3moe_config(metadata: MetadataReader) -> dict[str, Any]:
         "num_experts": metadata.integer(p + "expert_count"),
         "num_experts_per_tok": metadata.integer(p + "expert_used_count"),
         "moe_intermediate_size": metadata.integer(p + "expert_feed_forward_length"),
-        "norm_topk_prob": True,
+        "norm_topk_prob": arch == "qwen3moe",
         "mlp_only_layers": sorted(dense),
-    }
+    } | (
+        {"shared_expert_intermediate_size": metadata.integer(p + "expert_shared_feed_forward_length")}
+        if arch == "qwen2moe"
+        else {}
+    )
 
 
 def _gemma3_config(metadata: MetadataReader, config: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import torch
 
 from pagedllm.layers.quantization import BLOCK, BlockQuantized, EncodedRows, quantize
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.gguf_convert import hf_tensor_name, unpermute_rotary_rows
+from pagedllm.model.gguf_convert import hf_tensor_name, hf_tensor_shape, unpermute_rotary_rows
 from pagedllm.model.gguf_file import GGUFTensor, read_tensor_directory
 
 Weight = torch.Tensor | BlockQuantized
@@ -57,6 +57,8 @@ def iter_gguf_weights(gguf_path: Path, config: ModelConfig) -> Iterator[tuple[st
             and name.endswith("norm.weight")
         ):
             weight = weight - 1.0  # llama.cpp stores Gemma's norms as 1 + weight, the checkpoint's weight
+        if isinstance(weight, torch.Tensor):  # (a vector llama.cpp keeps for a one-row matrix)
+            weight = weight.reshape(hf_tensor_shape(name, tensor.shape))
         if config.architecture in PERMUTED_ROTARY and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             order = torch.from_numpy(unpermute_rotary_rows(np.arange(weight.shape[0]), heads))

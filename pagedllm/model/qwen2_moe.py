@@ -8,7 +8,9 @@ transformers' Qwen2MoeSparseMoeBlock adds it.
 The routed experts are Qwen3-MoE's (softmax in float32, top-k, renormalized where norm_topk_prob:
 the released models do not), grouped by expert in layers/fused_moe.py. The shared expert is a
 projection pair like a dense MLP's (kept as stored, quantized or float); its gate stays float, as
-the router does.
+the router does. A qwen2moe GGUF stores the routed experts stacked as Qwen3-MoE's, the shared
+expert as ffn_gate/up/down_shexp and its gate as a vector (ffn_gate_inp_shexp, read as one row);
+llama.cpp's graph does not renormalize the top-k (model/gguf_metadata.py).
 
 Tensor parallelism is not offered yet, as for the other mixtures of experts.
 """

@@ -46,7 +46,7 @@ MODELS: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "mistral"),
     "Qwen2ForCausalLM": ModelEntry("llama", "LlamaForCausalLM", "qwen2", "qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3"),
-    "Qwen2MoeForCausalLM": ModelEntry("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
+    "Qwen2MoeForCausalLM": ModelEntry("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe", "qwen2moe"),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe"),
     "MixtralForCausalLM": ModelEntry("mixtral", "MixtralForCausalLM", "mixtral", renames=_MIXTRAL_RENAMES),
     "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", "gemma3", "gemma3"),

@@ -72,6 +72,14 @@ def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], di
             "mlp.experts.gate_up_proj": (e, 2 * m, h),  # transformers' own stacked layout
             "mlp.experts.down_proj": (e, h, m),
         }
+    if config.shared_expert_intermediate_size is not None:
+        s = config.shared_expert_intermediate_size
+        layer |= {
+            "mlp.shared_expert.gate_proj.weight": (s, h),
+            "mlp.shared_expert.up_proj.weight": (s, h),
+            "mlp.shared_expert.down_proj.weight": (h, s),
+            "mlp.shared_expert_gate.weight": (1, h),
+        }
     return model, layer
 
 
