@@ -35,7 +35,10 @@ Cache: the timings (not the choices, so a change of rule needs no new timing) pe
 small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
 torch's version, the thread count and oneDNN's ISA settings; later starts time nothing. An
 unreadable file is ignored and rewritten; timings that had not settled when their time ran out (a
-busy host) are used but not kept, so a quieter start times again.
+busy host) are used but not written, so a quieter start times again. Within one process they are
+kept (UNSETTLED): a second engine there chooses as the first did, so two engines of one process
+compute the same bits (a plain run and a cached, chunked or preempted one, compared token for
+token), however busy the host was while each loaded.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ weights' stream")."""
 STREAM_PASSES = 10
 """Passes over a path's copies for quant_stream_ahead."""
 STREAM_MARGIN = 0.10
+UNSETTLED: dict[tuple[str, str], dict[str, Any]] = {}
+"""(cache file, shape key) -> timings this process took that had not settled: not written to the
+file, but used by this process's later loads instead of timing again."""
 """How much faster the hardware's prefetch alone must time to be chosen. A loop of products on a
 busy host puts the two ways within a few percent of each other, either way round, where a decode
 step ran ~1.3x faster with ours (docs/benchmarks/kernels_and_dispatch.md): a near tie goes to our
@@ -281,6 +287,8 @@ class LinearDispatch:
         rows = list(rows)
         entry = self._cache()["shapes"].get(key)
         if not _valid(entry, paths, rows):
+            entry = UNSETTLED.get((str(self._path()), key))
+        if not _valid(entry, paths, rows):
             self.num_timed += 1
             seconds, settled = self._time(weight, paths, rows, timer)
             entry = {"rows": rows, "seconds": seconds}
@@ -290,6 +298,7 @@ class LinearDispatch:
                 self._store(key, entry)
             else:
                 self.num_unsettled += 1
+                UNSETTLED[(str(self._path()), key)] = entry
         return {name: entry["seconds"][name] for name in paths}
 
     def _time(

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers import choose_impls
+from pagedllm.layers import choose_impls, linear_dispatch
 from pagedllm.layers.linear import Linear, cpu_linear, cpu_paths, onednn_linear
 from pagedllm.layers.linear_dispatch import (
     QUANT_STREAMS,
@@ -161,7 +161,7 @@ def test_a_corrupt_cache_is_ignored_and_rewritten(tmp_path, caplog):
     assert LinearDispatch(cache_path=cache, timer=timer).choose(weight, cpu_paths(weight)) == chosen
 
 
-def test_timings_that_had_not_settled_are_used_but_not_cached(tmp_path):
+def test_timings_that_had_not_settled_are_kept_for_this_process_only(tmp_path, monkeypatch):
     weight = torch.zeros(48, 64)
     _both_paths(weight)
     cache = tmp_path / "dispatch.json"
@@ -170,6 +170,10 @@ def test_timings_that_had_not_settled_are_used_but_not_cached(tmp_path):
     dispatch = LinearDispatch(cache_path=cache, timer=busy)
     assert dispatch.choose(weight, cpu_paths(weight)) == "few_rows"
     assert not cache.exists() and "1 whose timings had not settled" in dispatch.summary()
+    calls = timer.calls
+    again = LinearDispatch(cache_path=cache, timer=timer)  # another load in this process
+    assert again.choose(weight, cpu_paths(weight)) == "few_rows" and timer.calls == calls
+    monkeypatch.setattr(linear_dispatch, "UNSETTLED", {})  # a new process
     LinearDispatch(cache_path=cache, timer=timer).choose(weight, cpu_paths(weight))
     assert "float32 48x64" in json.loads(cache.read_text())["shapes"]  # a quiet start caches them
 
