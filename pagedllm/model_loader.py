@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from torch import nn
 
 from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import Loaded, copy_weight
 from pagedllm.layers.quantization import BlockQuantized
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -153,6 +155,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
         if "rotary_emb" in hf_name or (tied and hf_name == "lm_head.weight"):
             continue
         name, shard_id = _our_name(hf_name, model.packed_modules_mapping)
+        if name not in params and _another_ranks_expert(model, name):
+            continue
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
         layer = model.get_submodule(name.rpartition(".")[0])
@@ -180,6 +184,22 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]])
         logger.info(
             "Serving the language model alone (text in, text out): %d vision tensors not loaded", not_loaded
         )
+
+
+_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\..+")
+
+
+def _another_ranks_expert(model: nn.Module, name: str) -> bool:
+    """Whether parameter `name` is an expert that another tensor-parallel rank holds."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return False
+    try:
+        experts = model.get_submodule(match.group(1))
+    except AttributeError:
+        return False
+    expert = int(match.group(2))
+    return isinstance(experts, FusedMoE) and expert < experts.num_experts and not experts.owns(expert)
 
 
 _STACKED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")

@@ -17,16 +17,25 @@ give them. Where every expert is packed for the integer kernel, a step's experts
 (GroupedExperts: cpu_ops.moe_quant_linear for gate_up, then for down), their tasks shared by the
 threads in one parallel region; else in two calls an expert (float experts, or a build without the
 kernel). Both give the same bits; the grouped one is the faster (docs/benchmarks/moe.md).
+
+Tensor parallelism splits the experts, not each expert (expert parallelism): rank r of R holds
+experts r x E / R up to (r + 1) x E / R, whole, in their file's blocks; the router is whole on
+every rank, so every rank chooses the same experts; each computes the pairs routed to its own
+experts and the block's output is summed over the ranks, once a layer. Splitting each expert's
+width instead would cut a K-quant's 256-column blocks (Qwen3-30B-A3B's experts are 768 wide: 384
+a rank), and those weights would be held dequantized.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.direct_call import DirectCall
@@ -99,16 +108,26 @@ class SparseMoeBlock(DirectCall, nn.Module):
         top_k: int,
         renormalize: bool,
         float32_weights: bool = False,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
+        self.tp = tp
         self.gate = Router(num_experts, hidden_size)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp)
+
+    def routed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] -> this rank's experts' part of the output."""
+        weights, ids = select_experts(self.gate(hidden), self.top_k, self.renormalize, self.float32_weights)
+        return self.experts(hidden, weights, ids)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial outputs summed (as is, on one rank)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
-        weights, ids = select_experts(self.gate(hidden), self.top_k, self.renormalize, self.float32_weights)
-        return self.experts(hidden, weights, ids)
+        return self.reduce(self.routed(hidden))
 
 
 class ExpertMLP(nn.Module):
@@ -121,19 +140,29 @@ class ExpertMLP(nn.Module):
 
 
 class FusedMoE(DirectCall, nn.Module):
-    """`num_experts` SiLU-gated experts of width `intermediate_size`, computed grouped by expert."""
+    """`num_experts` SiLU-gated experts of width `intermediate_size`, computed grouped by expert;
+    with `tp`, this rank's share of them (`owns`), and its part of the output."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.expert_mlps = [ExpertMLP(hidden_size, intermediate_size) for _ in range(num_experts)]
-        """The experts by index, without nn.Module's lookup by name on every step."""
-        for index, mlp in enumerate(self.expert_mlps):  # named 0, 1, ...: a checkpoint's experts.E.*
+        rank, ranks = (tp.rank, tp.world_size) if tp is not None else (0, 1)
+        self.first, self.end = rank * num_experts // ranks, (rank + 1) * num_experts // ranks
+        """This rank's experts: first <= index < end."""
+        self.expert_mlps = [ExpertMLP(hidden_size, intermediate_size) for _ in range(self.first, self.end)]
+        """This rank's experts (index - first), without nn.Module's lookup by name on every step."""
+        for index, mlp in enumerate(self.expert_mlps, self.first):  # a checkpoint's experts.E.*
             self.add_module(str(index), mlp)
         self.act_fn: nn.Module = SiluAndMul()
         self.num_experts = num_experts
         self.grouped: GroupedExperts | None = None
         """The experts' packed weights for the grouped kernel, where every one is packed for it."""
         self.align: PairAligner = align_pairs
+
+    def owns(self, expert: int) -> bool:
+        """Whether expert `expert` is this rank's (every one is, on one rank)."""
+        return self.first <= expert < self.end
 
     def choose_impl(self, device: torch.device, dtype: torch.dtype, dispatch: LinearDispatch) -> None:
         """After the experts' projections have chosen (layers.choose_impls): on CPU the pairs are
@@ -174,17 +203,27 @@ class FusedMoE(DirectCall, nn.Module):
         experts, offsets, pair_tokens, pair_weights, where = self.align(
             topk_ids, topk_weights, self.num_experts
         )
-        x = hidden.index_select(0, pair_tokens)  # each pair's token row, grouped by expert
-        if self.grouped is not None:
-            y = self.grouped(x, experts.tolist(), offsets, self.act_fn) * pair_weights
+        chosen, bounds = experts.tolist(), offsets.tolist()
+        low, high = bisect.bisect_left(chosen, self.first), bisect.bisect_left(chosen, self.end)
+        start, end = bounds[low], bounds[high]  # this rank's pairs (all of them on one rank)
+        x = hidden.index_select(0, pair_tokens[start:end])  # each pair's token row, grouped by expert
+        if start == end:  # no pair routed to this rank's experts
+            mine = hidden.new_empty(0, hidden.shape[1])
+        elif self.grouped is not None:
+            local_offsets = offsets[low : high + 1] - start if start else offsets[low : high + 1]
+            mine = self.grouped(x, [e - self.first for e in chosen[low:high]], local_offsets, self.act_fn)
+            mine = mine * pair_weights[start:end]
         else:
-            y = torch.empty_like(x)  # each pair's weighted output, in the same order
-            bounds = offsets.tolist()
-            for expert, start, end in zip(experts.tolist(), bounds, bounds[1:], strict=False):
-                mlp = self.expert_mlps[expert]
-                y[start:end] = (
-                    mlp.down_proj(self.act_fn(mlp.gate_up_proj(x[start:end]))) * pair_weights[start:end]
-                )
+            mine = torch.empty_like(x)  # each pair's weighted output, in the same order
+            for expert, first, last in zip(chosen[low:high], bounds[low:high], bounds[low + 1 : high + 1]):
+                mlp = self.expert_mlps[expert - self.first]
+                rows = slice(first - start, last - start)
+                mine[rows] = mlp.down_proj(self.act_fn(mlp.gate_up_proj(x[rows]))) * pair_weights[first:last]
+        if end - start == len(pair_tokens):
+            y = mine
+        else:  # another rank's pairs count 0 here (a sum of zeros and this rank's: exact)
+            y = hidden.new_zeros(len(pair_tokens), hidden.shape[1])
+            y[start:end] = mine
         return y.index_select(0, where).view(num_tokens, top_k, -1).sum(dim=1)
 
 

@@ -121,11 +121,16 @@ class MergedColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Split by input columns over the ranks; the ranks' partial outputs are summed (no bias)."""
+    """Split by input columns over the ranks; the ranks' partial outputs are summed (no bias),
+    unless `reduce_results` is False: then the caller sums them, once for several partial outputs
+    (a mixture of experts' shared expert beside its routed ones)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup | None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPGroup | None, reduce_results: bool = True
+    ) -> None:
         super().__init__(in_features // (tp.world_size if tp is not None else 1), out_features)
         self.tp = tp
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None) -> None:
         if self.tp is not None and param is self.weight:
@@ -135,4 +140,4 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.impl(x, self.weight, self.bias)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out if self.tp is None or not self.reduce_results else self.tp.all_reduce(out)

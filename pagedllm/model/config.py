@@ -102,8 +102,9 @@ class ModelConfig:
 
     def num_parameters(self, tp_size: int = 1) -> int:
         """Parameter count from the shapes alone (for planning without weights); with tensor
-        parallelism one rank's: the layers' projections split, embeddings and norms whole, an
-        untied LM head split where the ranks divide the vocabulary (a tied one is the embedding)."""
+        parallelism one rank's: the layers' projections split (a sparse layer's experts by expert,
+        its shared expert by width), embeddings, norms and routers whole, an untied LM head split
+        where the ranks divide the vocabulary (a tied one is the embedding)."""
         h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
@@ -117,9 +118,10 @@ class ModelConfig:
         head_rows = self.vocab_size // tp_size if self.vocab_size % tp_size == 0 else self.vocab_size
         embeddings = self.vocab_size * h + (0 if self.tie_word_embeddings else head_rows * h)
         experts = 0
-        if self.num_experts is not None:  # experts and their router in place of the dense MLP
-            shared = sum(self._shared_expert_parameters())
-            experts = self.num_sparse_layers * (sum(self._experts_parameters()) + shared - 3 * h * i)
+        if self.num_experts is not None:  # experts, router and gate in place of the dense MLP
+            (routed, router), (shared, gate) = self._experts_parameters(), self._shared_expert_parameters()
+            sparse = (routed + shared) // tp_size + router + gate  # experts split, gates whole
+            experts = self.num_sparse_layers * (sparse - 3 * h * i // tp_size)
         return layers * per_layer + experts + embeddings + h
 
     def active_parameters(self, tp_size: int = 1) -> int:
@@ -146,18 +148,17 @@ class ModelConfig:
         return (self.num_hidden_layers * per_layer + experts) // tp_size
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
-        """Raise ValueError, naming the sizes that work, unless every rank gets whole heads. A
-        mixture-of-experts model runs on one rank (its experts are not split yet)."""
-        if self.num_experts is not None and tp_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size: {tp_size}: {self.architecture}, a mixture-of-experts model, runs "
-                "on one rank for now (its experts are not split over ranks); give tensor_parallel_size 1"
-            )
+        """Raise ValueError, naming the sizes that work, unless every rank gets whole heads (and of
+        a mixture of experts, as many experts as the others, and its share of a shared expert)."""
         counts = {
             "attention heads": self.num_attention_heads,
             "KV heads": self.num_key_value_heads,
             "intermediate_size": self.intermediate_size,
         }
+        if self.num_experts is not None:
+            counts["experts"] = self.num_experts
+        if self.shared_expert_intermediate_size:
+            counts["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         for name, count in counts.items():
             if count % tp_size:
                 common = math.gcd(*counts.values())

@@ -63,13 +63,20 @@ class LlamaAttention(DirectCall, nn.Module):
 
 
 class LlamaMLP(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None, intermediate_size: int | None = None) -> None:
-        """`intermediate_size`: a width other than the config's (Qwen2-MoE's shared expert)."""
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup | None,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+    ) -> None:
+        """`intermediate_size`: a width other than the config's; `reduce_results` False: each
+        rank's partial output, summed by the caller (Qwen2-MoE's shared expert)."""
         super().__init__()
         width = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2, False, tp)
         self.act_fn: nn.Module = SiluAndMul()
-        self.down_proj = RowParallelLinear(width, config.hidden_size, tp)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, tp, reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -119,8 +126,6 @@ class LlamaForCausalLM(DirectCall, nn.Module):
     """The layer a variant builds on this model (Qwen3ForCausalLM: its own, model/qwen3.py)."""
 
     def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup | None = None) -> None:
-        if config.num_experts is not None and tp is not None and tp.world_size > 1:
-            raise ValueError(f"{config.architecture} runs on one rank: its experts are not split over ranks")
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(

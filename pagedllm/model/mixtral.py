@@ -14,8 +14,7 @@ down_proj, transformers 5's names, which this model's modules take. llama.cpp wr
 "llama" GGUF with experts (model/gguf_metadata.py reads it as this model), its experts stacked one
 3-D tensor per projection and read per expert in their blocks (model/gguf_weights.py).
 
-Tensor parallelism is not offered yet, as for Qwen3-MoE: ModelConfig.check_tensor_parallel_size
-refuses it first.
+With tensor parallelism each rank holds its share of the experts, whole (layers/fused_moe.py).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 __all__ = ["MixtralForCausalLM"]
 
 
-def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
+def sparse_moe_block(config: ModelConfig, tp: TPGroup | None = None) -> SparseMoeBlock:
     """Mixtral's: experts of intermediate_size, the top-k always renormalized, their weights kept
     in float32."""
     assert config.num_experts and config.num_experts_per_tok  # model/config_reader.py sets them
@@ -41,6 +40,7 @@ def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
         config.num_experts_per_tok,
         renormalize=True,
         float32_weights=True,
+        tp=tp,
     )
 
 
@@ -48,7 +48,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     """Llama's layer with the sparse block in place of its MLP, on every layer."""
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
-        return sparse_moe_block(config)
+        return sparse_moe_block(config, tp)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

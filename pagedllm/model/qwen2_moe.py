@@ -12,7 +12,9 @@ the router does. A qwen2moe GGUF stores the routed experts stacked as Qwen3-MoE'
 expert as ffn_gate/up/down_shexp and its gate as a vector (ffn_gate_inp_shexp, read as one row);
 llama.cpp's graph does not renormalize the top-k (model/gguf_metadata.py).
 
-Tensor parallelism is not offered yet, as for the other mixtures of experts.
+With tensor parallelism each rank holds its share of the routed experts (layers/fused_moe.py) and
+of the shared expert's width, as a dense MLP's; the two partial outputs are summed over the ranks
+together, once a layer.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ __all__ = ["Qwen2MoeForCausalLM"]
 class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
     """The routed experts and the shared expert, its output gated per token."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None) -> None:
         assert config.num_experts and config.num_experts_per_tok and config.moe_intermediate_size
         assert config.shared_expert_intermediate_size
         super().__init__(
@@ -40,22 +42,24 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
             config.moe_intermediate_size,
             config.num_experts_per_tok,
             config.norm_topk_prob,
+            tp=tp,
         )
-        self.shared_expert = LlamaMLP(config, None, config.shared_expert_intermediate_size)
+        width = config.shared_expert_intermediate_size
+        self.shared_expert = LlamaMLP(config, tp, width, reduce_results=False)
         self.shared_expert_gate = Router(1, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> the routed experts' sum plus the gated shared expert."""
         shared = self.shared_expert(hidden)
-        routed = super().forward(hidden)
-        return routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+        routed = self.routed(hidden)
+        return self.reduce(routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared)
 
 
 class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
     """Qwen2's layer, its MLP sparse where the config says (ModelConfig.is_sparse_layer)."""
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
-        return Qwen2MoeSparseMoeBlock(config) if config.is_sparse_layer(index) else LlamaMLP(config, tp)
+        return Qwen2MoeSparseMoeBlock(config, tp) if config.is_sparse_layer(index) else LlamaMLP(config, tp)
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):

@@ -9,8 +9,7 @@ moe_intermediate_size; layers/fused_moe.py computes them grouped by expert. A GG
 layer's experts as one 3-D tensor per projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps),
 read per expert in its blocks (model/gguf_weights.py).
 
-Tensor parallelism is not offered yet: the experts would have to be split over the ranks
-(ModelConfig.check_tensor_parallel_size refuses it first).
+With tensor parallelism each rank holds its share of the experts, whole (layers/fused_moe.py).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pagedllm.model.qwen3 import Qwen3DecoderLayer
 __all__ = ["Qwen3MoeForCausalLM"]
 
 
-def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
+def sparse_moe_block(config: ModelConfig, tp: TPGroup | None = None) -> SparseMoeBlock:
     """Qwen3-MoE's: experts of moe_intermediate_size, the top-k renormalized where norm_topk_prob,
     their weights in the hidden dtype."""
     assert config.num_experts and config.num_experts_per_tok and config.moe_intermediate_size
@@ -36,6 +35,7 @@ def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
         config.moe_intermediate_size,
         config.num_experts_per_tok,
         config.norm_topk_prob,
+        tp=tp,
     )
 
 
@@ -43,7 +43,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     """Qwen3's layer, its MLP sparse where the config says (ModelConfig.is_sparse_layer)."""
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, index: int) -> nn.Module:
-        return sparse_moe_block(config) if config.is_sparse_layer(index) else LlamaMLP(config, tp)
+        return sparse_moe_block(config, tp) if config.is_sparse_layer(index) else LlamaMLP(config, tp)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo): TP=2 gives TP=1's greedy tokens, token for token, through
-prefix hits and preemptions, with both executor backends; sizes that split no head are refused;
+prefix hits and preemptions, with both executor backends, for dense models and mixtures of experts
+(the experts split over the ranks); sizes that split no head are refused;
 a rank killed under a running server ends the server, non-zero, saying which rank and how."""
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from pagedllm.bench.server_process import ServerProcess
 from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.distributed import shm_all_reduce
 from pagedllm.kernels import cpu_ops
+from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.locate import default_model_path
 from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
 
-from ..helpers import write_tiny_gguf
+from ..helpers import save_with_random_norms, write_tiny_gguf
+from ..model.moe_helpers import eager_random_model, moe_config, qwen2_moe_config
 
 pytestmark = pytest.mark.slow  # two ranks per engine, a killed rank, ray: about a minute
 
@@ -405,3 +408,34 @@ def test_tp2_serves_a_quantized_checkpoint(format_index, tiny_model, tmp_path):
     difference = torch.tensor([a - b for (_, a), (_, b) in pairs]).abs()
     assert float(difference.mean()) < 0.2 and float(difference.max()) < 1.2
     assert run.num_preemptions > 0 and all(len(set(t)) > 10 for t in run.tokens)
+
+
+# ---- mixtures of experts: the experts split over the ranks ------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3-MoE", "Qwen2-MoE"])
+def test_tp2_splits_the_experts_and_gives_tp1s_tokens(architecture, tmp_path):
+    """Each rank holds half the experts, whole (and half the shared expert's width); every rank's
+    router chooses the same experts, each computes the pairs routed to its own, and the layer's
+    output is summed once: TP=2 gives TP=1's greedy tokens through chunked prefills, preemptions
+    and prefix hits, and rank 0 holds the share the planner counts."""
+    config = {"Qwen3-MoE": moe_config, "Qwen2-MoE": qwen2_moe_config}[architecture]()
+    save_with_random_norms(eager_random_model(config), tmp_path)
+    reference = generate(str(tmp_path))
+    run = generate(str(tmp_path), tensor_parallel_size=2)
+    assert_same_output(run, reference, f"TP=2 on {architecture}")
+    ours = model_config_from_folder(tmp_path)
+    assert sum(reference.weight_bytes.values()) == 4 * ours.num_parameters(1)
+    assert sum(run.weight_bytes.values()) == 4 * ours.num_parameters(2)
+
+
+def test_tp2_holds_half_the_quantized_experts_in_their_blocks(tmp_path):
+    """A GGUF's experts in Q4_0: rank 0 holds half of them, still in their blocks, grouped."""
+    model = save_with_random_norms(eager_random_model(moe_config()), tmp_path / "hf")
+    path = tmp_path / "tiny-moe.gguf"
+    write_tiny_gguf(model, path, dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), Q.Q4_0))
+    reference = generate(str(path))
+    run = generate(str(path), tensor_parallel_size=2)
+    assert_same_output(run, reference, "TP=2 on Q4_0 experts")
+    if cpu_ops.serves_quant_linear(4, 32, 32):
+        assert run.weight_bytes["Q4_0"] * 2 == reference.weight_bytes["Q4_0"]

@@ -1,5 +1,6 @@
-"""What the mixture-of-experts tests (Qwen3-MoE, Mixtral) share: transformers' model of a config
-with random weights, random prompts, its references on one thread, and a small engine."""
+"""What the mixture-of-experts tests (Qwen3-MoE, Qwen2-MoE, Mixtral, tensor parallel) share: tiny
+configs, transformers' model of a config with random weights, random prompts, its references on
+one thread, and a small engine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,44 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.fused_moe import FusedMoE
 
-from ..helpers import TEST_ENGINE_ARGS, assert_greedy_equal, hf_greedy
+from ..helpers import TEST_ENGINE_ARGS, TINY, assert_greedy_equal, hf_greedy
+
+
+def moe_config(**overrides):
+    """4 layers, layer 1 dense (mlp_only_layers), the others 8 experts of width 96 (not the hidden
+    size, so a projection read across shows), top-2."""
+    from transformers import Qwen3MoeConfig
+
+    fields = TINY | {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+        "tie_word_embeddings": False,
+        "architectures": ["Qwen3MoeForCausalLM"],
+    }
+    return Qwen3MoeConfig(**(fields | overrides))
+
+
+def qwen2_moe_config(**overrides):
+    """4 layers, layer 2 dense (mlp_only_layers), the others 8 experts of width 96, top-2 not
+    renormalized (as the released models), and a shared expert of width 160."""
+    from transformers import Qwen2MoeConfig
+
+    fields = TINY | {
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "shared_expert_intermediate_size": 160,
+        "mlp_only_layers": [2],
+        "tie_word_embeddings": False,
+        "architectures": ["Qwen2MoeForCausalLM"],
+    }
+    return Qwen2MoeConfig(**(fields | overrides))
 
 
 def eager_random_model(config):

@@ -328,8 +328,9 @@ def test_a_config_out_of_bounds_is_refused(change, message):
         model_config_from_dict(config, source="config.json")
 
 
-def test_tensor_parallel_is_refused_for_now():
-    config = model_config_from_dict(mixtral_config().to_dict())
-    with pytest.raises(ValueError, match="mixture-of-experts model, runs on one rank"):
-        config.check_tensor_parallel_size(2)
+def test_tensor_parallel_sizes_must_divide_the_experts():
+    config = model_config_from_dict(mixtral_config(num_local_experts=5).to_dict())
     config.check_tensor_parallel_size(1)
+    with pytest.raises(ValueError, match=r"2 does not divide this model's 5 experts.*: 1$"):
+        config.check_tensor_parallel_size(2)
+    model_config_from_dict(mixtral_config(num_local_experts=6).to_dict()).check_tensor_parallel_size(2)

@@ -16,29 +16,18 @@ from pagedllm.model.config_reader import model_config_from_dict, model_config_fr
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.gguf_weights import iter_gguf_weights
 
-from ..helpers import TINY, save_with_random_norms, write_tiny_gguf
-from .moe_helpers import assert_matches_transformers, eager_random_model, engine, moe_blocks, random_prompts
+from ..helpers import save_with_random_norms, write_tiny_gguf
+from .moe_helpers import (
+    assert_matches_transformers,
+    eager_random_model,
+    engine,
+    moe_blocks,
+    qwen2_moe_config,
+    random_prompts,
+)
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
 NEW_TOKENS = 12
-
-
-def qwen2_moe_config(**overrides):
-    """4 layers, layer 2 dense (mlp_only_layers), the others 8 experts of width 96, top-2 not
-    renormalized (as the released models), and a shared expert of width 160."""
-    from transformers import Qwen2MoeConfig
-
-    fields = TINY | {
-        "num_hidden_layers": 4,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 96,
-        "shared_expert_intermediate_size": 160,
-        "mlp_only_layers": [2],
-        "tie_word_embeddings": False,
-        "architectures": [ARCHITECTURE],
-    }
-    return Qwen2MoeConfig(**(fields | overrides))
 
 
 @pytest.fixture(scope="module")

@@ -32,38 +32,18 @@ from pagedllm.planner import gguf_weights_by_format
 from pagedllm.sampling_params import StructuredOutputsParams
 
 from ..helpers import (
-    TINY,
     hf_greedy,
     random_gguf_blocks,
     rows_free,
     save_with_random_norms,
     write_tiny_gguf,
 )
-from .moe_helpers import eager_random_model, engine, moe_blocks, one_thread, random_prompts
+from .moe_helpers import eager_random_model, engine, moe_blocks, moe_config, one_thread, random_prompts
 
 KIND = gguf.GGMLQuantizationType
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (5, 17, 33, 40)  # over the 16-token budget below: chunked prefill
-
-
-def moe_config(**overrides):
-    """4 layers, layer 1 dense (mlp_only_layers), the others 8 experts of width 96 (not the hidden
-    size, so a projection read across shows), top-2."""
-    from transformers import Qwen3MoeConfig
-
-    fields = TINY | {
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 96,
-        "norm_topk_prob": True,
-        "mlp_only_layers": [1],
-        "tie_word_embeddings": False,
-        "architectures": [ARCHITECTURE],
-    }
-    return Qwen3MoeConfig(**(fields | overrides))
 
 
 def random_model(**overrides):
@@ -670,11 +650,13 @@ def test_a_config_out_of_bounds_is_refused(change, message):
         model_config_from_dict(config, source="config.json")
 
 
-def test_tensor_parallel_is_refused_for_now():
-    config = model_config_from_dict(moe_config().to_dict())
-    with pytest.raises(ValueError, match="mixture-of-experts model, runs on one rank"):
-        config.check_tensor_parallel_size(2)
+def test_tensor_parallel_sizes_must_divide_the_experts():
+    """Each rank holds as many experts as the others, whole (tests/distributed: TP=2 as TP=1)."""
+    config = model_config_from_dict(moe_config(num_experts=5).to_dict())
     config.check_tensor_parallel_size(1)
+    with pytest.raises(ValueError, match=r"2 does not divide this model's 5 experts.*: 1$"):
+        config.check_tensor_parallel_size(2)
+    model_config_from_dict(moe_config(num_experts=6).to_dict()).check_tensor_parallel_size(2)
 
 
 @pytest.mark.slow  # an eval of its own; the fast set keeps the FP8 checkpoint's
