@@ -28,7 +28,7 @@ from pagedllm.model.locate import resolve_dtype
 from pagedllm.model_loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.bitmask import GrammarBitmask
-from pagedllm.worker.cpu_allocator import keep_freed_memory
+from pagedllm.worker.cpu_allocator import keep_freed_memory, return_freed_memory
 from pagedllm.worker.cpu_threads import CPUThreads
 from pagedllm.worker.kv_cache import (
     KVCachePlan,
@@ -144,7 +144,7 @@ class Worker:
 
     def load_model(self, max_position: int) -> None:
         if self.cpu_threads is not None:
-            keep_freed_memory()
+            return_freed_memory()
             self.cpu_threads.start()
         self.model = load_model(
             self.model_folder,
@@ -156,6 +156,8 @@ class Worker:
             self.config.quantization,
         )
         self.packed_copy_bytes = self.model.prepare(self.dtype, self.config.linear_backend)
+        if self.cpu_threads is not None:  # not before: loading's temporaries would stay resident
+            keep_freed_memory()
 
     def plan_kv_cache(self, max_model_len: int) -> KVCachePlan:
         """This rank's cache: its budget in blocks of its share of the KV heads; with tensor
