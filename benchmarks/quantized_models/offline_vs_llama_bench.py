@@ -12,12 +12,15 @@ request at a time, prefix caching off) computes a 512-token prompt of random ids
 greedy tokens, EOS ignored: prompt tokens/s = 512 / time to first token, decode tokens/s = 63 /
 the time from the first token to the last (so both decode against the prompt's 512 keys). Rounds
 alternate the two engines so a host's drift hits both. Prints each round and the ratios of the
-medians (pagedllm / llama.cpp); --out writes them as JSON.
+medians (pagedllm / llama.cpp); --out writes them as JSON. --apart: for a file the host can hold
+once but not twice (llama.cpp repacks Q4_0 into memory of its own beside its mapping), pagedllm
+loads the file again each round and lets it go before llama-bench runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -65,12 +68,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="pagedllm's --dtype (default auto)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--apart", action="store_true", help="pagedllm loads the file each round, freed before llama-bench"
+    )
     args = parser.parse_args()
 
     from pagedllm import LLM
 
-    results = {}
-    for path in args.files:
+    def load(path: Path):
         llm = LLM(
             str(path),
             dtype=args.dtype,
@@ -81,15 +86,24 @@ def main() -> None:
             disable_log_stats=True,
         )
         pagedllm_offline(llm, seed=-1)  # warm-up: the first request times the kernels' choices
+        return llm
+
+    results = {}
+    for path in args.files:
+        llm = None if args.apart else load(path)
         rounds: dict[str, list[dict[str, float]]] = {"pagedllm": [], "llama.cpp": []}
         for r in range(args.rounds):
             first, second = ("pagedllm", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "pagedllm")
             for engine in (first, second):
-                run = (
-                    pagedllm_offline(llm, r)
-                    if engine == "pagedllm"
-                    else llama_bench(args.llama_bench, path, args.threads)
-                )
+                if engine == "pagedllm":
+                    ours = llm if llm is not None else load(path)
+                    run = pagedllm_offline(ours, r)
+                    if args.apart:
+                        ours.llm_engine.close()
+                        del ours
+                        gc.collect()
+                else:
+                    run = llama_bench(args.llama_bench, path, args.threads)
                 rounds[engine].append(run)
                 print(f"{path.name} round {r + 1} {engine:9s} prompt {run['prompt_tok_s']:7.1f} tok/s  "
                       f"decode {run['decode_tok_s']:6.1f} tok/s", flush=True)  # fmt: skip

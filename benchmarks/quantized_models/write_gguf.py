@@ -103,6 +103,8 @@ SHAPES = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     # the same layers, half as many: a ~8.5 GB Q4_0 file for quick runs
     "qwen3-30b-a3b-half": dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=24),
+    # a quarter of them: in bfloat16 (vLLM's dummy weights) ~15 GB, what this host can hold beside a KV space
+    "qwen3-30b-a3b-quarter": dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=12),
 }
 
 Q = gguf.GGMLQuantizationType
