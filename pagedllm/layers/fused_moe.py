@@ -215,7 +215,8 @@ class FusedMoE(DirectCall, nn.Module):
             mine = mine * pair_weights[start:end]
         else:
             mine = torch.empty_like(x)  # each pair's weighted output, in the same order
-            for expert, first, last in zip(chosen[low:high], bounds[low:high], bounds[low + 1 : high + 1]):
+            groups = zip(chosen[low:high], bounds[low:high], bounds[low + 1 : high + 1], strict=True)
+            for expert, first, last in groups:
                 mlp = self.expert_mlps[expert - self.first]
                 rows = slice(first - start, last - start)
                 mine[rows] = mlp.down_proj(self.act_fn(mlp.gate_up_proj(x[rows]))) * pair_weights[first:last]
