@@ -14,22 +14,27 @@ from pagedllm.version import __version__
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 _PUBLIC = {
     "LLM": "pagedllm.entrypoints.llm",
     "CompletionOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "Logprob": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling_params",
     "RequestOutput": "pagedllm.outputs",
     "SamplingParams": "pagedllm.sampling_params",
 }
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "LLMEngine",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "__version__",

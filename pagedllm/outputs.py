@@ -90,3 +90,20 @@ class RequestOutput:
     """Times the scheduler took this request's blocks back and recomputed it."""
     draft_tokens: tuple[int, int] | None = None
     """Speculative decoding: (draft tokens checked, accepted) for this request; None when off."""
+    embedding: list[float] | None = None
+    """An embedding request's vector (SamplingParams.pooling), once finished."""
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, as vLLM's: `outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm import limits
 from pagedllm.json_schema import parse_json_schema
+from pagedllm.pooling_params import PoolingParams
 
 _GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -85,6 +86,8 @@ class SamplingParams:
     `structured_outputs` constrains every sampled token to a grammar (JSON schema, regex, ...).
     `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: as many as max_model_len
     allows), as vLLM's field does: for histories that outgrow the context.
+    `pooling` makes the request an embedding request (LLM.embed, /v1/embeddings make it): no token
+    is sampled; its output is the prompt's pooled hidden state (pooling_params.py).
     Sizes are bounded by pagedllm.limits; token ids are checked against the vocabulary by the engine.
     """
 
@@ -109,6 +112,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    pooling: PoolingParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -201,6 +205,8 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise ValueError("structured_outputs: must be a StructuredOutputsParams")
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise ValueError("pooling: must be a PoolingParams")
 
     def _validate_logit_bias(self) -> None:
         if self.logit_bias is None:

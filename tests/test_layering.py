@@ -17,6 +17,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "json_schema",
         "logger",
         "outputs",
+        "pooling_params",
         "sampling_params",
         "cpu_features",
         "cache_dir",

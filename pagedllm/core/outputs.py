@@ -92,6 +92,8 @@ class ModelRunnerOutput:
     """For requests that asked: one entry per prompt token this step scored."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose own part of the step (sampling, prompt scoring) raised: id -> what was raised."""
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """Embedding requests whose prompt ended this step: id -> the pooled vector (their output)."""
     grammar_dead_ends: dict[str, int] = field(default_factory=dict)
     """The step's GrammarBitmask.dead_ends: a constrained request whose grammar allowed no token
     after its first n draft tokens (structured output with drafts) -> n."""
@@ -108,3 +110,5 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    pooled: list[float] | None = None
+    """An embedding request's output (it ends with it)."""

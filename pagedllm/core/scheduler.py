@@ -289,6 +289,12 @@ class Scheduler:
                 outputs.append(self._fail(request, error, now))
                 any_finished = True
                 continue
+            pooled = runner_output.pooled.get(req_id)
+            if pooled is not None:  # an embedding request: its prompt's end is its output
+                request.num_computed_tokens += num_new
+                outputs.append(self._finish_pooled(request, pooled, now))
+                any_finished = True
+                continue
             prompt_logprobs = request.take_new_prompt_logprobs(runner_output.prompt_logprobs.get(req_id))
             token_ids = runner_output.sampled_token_ids.get(req_id)
             draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -339,6 +345,14 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: list[float], now: float) -> EngineCoreOutput:
+        """End an embedding request with its vector; its blocks return at once (its full ones
+        stay in the prefix cache, as any request's)."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.metrics.first_token_time = request.metrics.last_token_time = now
+        self._free_request(request, now)
+        return EngineCoreOutput(request.req_id, [], finish_reason=request.status.finish_reason, pooled=pooled)
 
     def _fail(self, request: Request, error: str, now: float) -> EngineCoreOutput:
         """End a request whose own part of the step failed; its blocks return at once."""

@@ -28,6 +28,7 @@ class _RequestState:
     stop_reason: int | str | None = None
     error: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -87,6 +88,8 @@ class OutputProcessor:
         return processed
 
     def _apply(self, state: _RequestState, core: EngineCoreOutput, processed: ProcessedOutputs) -> None:
+        if core.pooled is not None:
+            state.embedding = core.pooled
         stop = state.detokenizer.append(core.new_token_ids)
         state.token_ids.extend(core.new_token_ids[: state.detokenizer.num_taken])
         if stop is not None and core.finish_reason is None:
@@ -145,6 +148,7 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             error=state.error,
             num_preemptions=request.num_preemptions,
+            embedding=state.embedding,
             draft_tokens=(request.num_draft_tokens, request.num_accepted_tokens)
             if self.speculative
             else None,

@@ -14,7 +14,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import chat_prompt, max_prompt_chars, max_token_chars
 
@@ -77,6 +78,29 @@ class LLM:
         batch = cast(list[PromptType], [prompts] if is_one else list(cast(Sequence[PromptType], prompts)))
         params = self._params_per_prompt(batch, sampling_params)
         return self._run(batch, params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (pooling_params.py: its last token's final hidden state, normed,
+        then PoolingParams' dimensions and normalization), in the prompts' order. A request that
+        failed raises RuntimeError naming it."""
+        is_one = isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        batch = cast(list[PromptType], [prompts] if is_one else list(cast(Sequence[PromptType], prompts)))
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling_params or PoolingParams())
+        outputs = self._run(batch, [params] * len(batch), use_tqdm)
+        embedded = []
+        for output in outputs:
+            if output.embedding is None:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+            vector = EmbeddingOutput(output.embedding)
+            embedded.append(EmbeddingRequestOutput(output.request_id, output.prompt_token_ids, vector))
+        return embedded
 
     def chat(
         self,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.outputs import NewRequestData, SchedulerOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sample.metadata import Penalties, SamplingMetadata
 
 
@@ -67,6 +68,8 @@ class InputBatch:
         self._logit_bias: dict[int, dict[int, float]] = {}
         self._min_tokens: dict[int, tuple[int, list[int]]] = {}
         """Row -> (min_tokens, the stop and end-of-sequence ids banned until then)."""
+        self.pooling: dict[int, PoolingParams] = {}
+        """Row -> the settings of an embedding request (pooled where it would sample)."""
         self._num_logprobs: list[int | None] = [None] * max_num_reqs
         self.num_prompt_logprobs: list[int | None] = [None] * max_num_reqs
         self.generators: dict[str, torch.Generator] = {}
@@ -210,6 +213,7 @@ class InputBatch:
             self.req_ids[row] = ""
             self._logit_bias.pop(row, None)
             self._min_tokens.pop(row, None)
+            self.pooling.pop(row, None)
             self._free_rows.append(row)
 
     def _add(self, new: NewRequestData) -> None:
@@ -248,6 +252,8 @@ class InputBatch:
         self.presence_penalty[row] = params.presence_penalty
         if params.logit_bias:
             self._logit_bias[row] = params.logit_bias
+        if params.pooling is not None:
+            self.pooling[row] = params.pooling
         banned = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             banned |= new.eos_token_ids

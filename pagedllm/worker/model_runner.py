@@ -1,8 +1,9 @@
 """ModelRunner: the mechanism that executes one scheduled step on the device.
 
-the step's delta -> input batch -> input tensors -> model -> logits of the rows to sample
--> grammar bitmask (structured output) -> sampler (with speculative decoding, also the check of
-draft tokens and the proposals for the next step: spec_decode/runner_step.py). It receives
+the step's delta -> input batch -> input tensors -> model -> logits of the rows to sample (an
+embedding request's row pooled instead: pooling_params.py) -> grammar bitmask (structured output)
+-> sampler (with speculative decoding, also the check of draft tokens and the proposals for the
+next step: spec_decode/runner_step.py). It receives
 ids, counts and, once per request, its prompt and settings (SchedulerOutput), never scheduler
 objects; it keeps its own copy of each request, a row of its input batch (input_batch.py), and
 appends the tokens it samples there.
@@ -15,6 +16,7 @@ scoring) fails that request alone: it is named in ModelRunnerOutput.failed and t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -104,9 +106,12 @@ class ModelRunner:
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
         )
         output = ModelRunnerOutput(sampled_token_ids={})
+        model_input, pooled = self._split_pooled(model_input)
         if not self.samples:
             self._logits_for_rank_0(hidden, model_input)
             return output
+        if pooled:
+            self._pool(hidden, pooled, output)
         for row, first, num_rows in model_input.prompt_scoring:
             with _failing_alone(output, batch.req_ids[row]):
                 output.prompt_logprobs[batch.req_ids[row]] = self._score_prompt(hidden, row, first, num_rows)
@@ -134,6 +139,34 @@ class ModelRunner:
                 proposals = self.spec_decode.propose(batch, model_input.sampled_rows, sampled)
                 output.spec_token_ids.update(proposals)
         return output
+
+    def _split_pooled(self, model_input: ModelInput) -> tuple[ModelInput, list[tuple[int, int]]]:
+        """The step's sampling rows less those of embedding requests (every rank agrees: with a
+        vocabulary-parallel head the logits are a collective), and those: (batch row, flat row of
+        the prompt's last token). An embedding request has no draft tokens."""
+        pooling, rows = self.input_batch.pooling, model_input.sampled_rows
+        if not pooling or not any(row in pooling for row in rows):
+            return model_input, []
+        first_logits = first_logits_rows(model_input.drafts)
+        flat = model_input.logits_indices.tolist()
+        keep = [i for i, row in enumerate(rows) if row not in pooling]
+        kept_logits = [first_logits[i] + j for i in keep for j in range(len(model_input.drafts[i]) + 1)]
+        rest = dataclasses.replace(
+            model_input,
+            logits_indices=model_input.logits_indices[kept_logits],
+            sampled_rows=[rows[i] for i in keep],
+            drafts=[model_input.drafts[i] for i in keep],
+        )
+        return rest, [(row, flat[first_logits[i]]) for i, row in enumerate(rows) if row in pooling]
+
+    def _pool(self, hidden: torch.Tensor, pooled: list[tuple[int, int]], output: ModelRunnerOutput) -> None:
+        """Each embedding request's output: its prompt's last hidden state, normed as the LM head
+        would see it, pooled by its PoolingParams."""
+        batch = self.input_batch
+        normed, _ = self.model.norm(hidden[[flat for _, flat in pooled]])
+        for (row, _), vector in zip(pooled, normed, strict=True):
+            with _failing_alone(output, batch.req_ids[row]):
+                output.pooled[batch.req_ids[row]] = batch.pooling[row].pool(vector)
 
     def _verify(
         self,

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLim
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from pagedllm.metrics.http import instrument_http
@@ -64,8 +65,9 @@ def build_app(
         tool_call_parser=server.tool_parser,
         truncate_history=server.truncate_chat_history,
     )
+    embeddings = ServingEmbedding(engine, models, tokenizer, engine.facts.model_config.hidden_size)
     tokenization = ServingTokenization(models, tokenizer, chat, engine.facts.vocab_size)
-    app.include_router(routes_v1.make_router(models, completions, chat, metrics))
+    app.include_router(routes_v1.make_router(models, completions, chat, embeddings, metrics))
     app.include_router(routes_tokenize.make_router(tokenization))
     app.include_router(
         routes_stats.make_router(engine, metrics, live_stats, divergence_text=server.divergence_text)

@@ -420,5 +420,35 @@ class ErrorInfo(BaseModel):
     code: str | None = None
 
 
+class EmbeddingRequest(OpenAIModel):
+    """OpenAI's /v1/embeddings body (and vLLM's `truncate_prompt_tokens`)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """The vector, or its float32 bytes (little-endian) in base64."""
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class ErrorResponse(BaseModel):
     error: ErrorInfo

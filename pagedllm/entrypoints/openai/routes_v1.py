@@ -1,5 +1,6 @@
-"""The OpenAI routes: GET /v1/models, POST /v1/completions and /v1/chat/completions. The handlers
-live in serving_*.py; here each request's admission is counted as vLLM counts it."""
+"""The OpenAI routes: GET /v1/models, POST /v1/completions, /v1/chat/completions and
+/v1/embeddings. The handlers live in serving_*.py; here each request's admission is counted as
+vLLM counts it."""
 
 from __future__ import annotations
 
@@ -8,15 +9,25 @@ from collections.abc import Awaitable
 from fastapi import APIRouter, Request, Response
 
 from pagedllm.engine.async_engine import QueueFullError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelList,
+)
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.metrics.prometheus import PrometheusMetrics
 
 
 def make_router(
-    models: ServedModels, completions: ServingCompletion, chat: ServingChat, metrics: PrometheusMetrics
+    models: ServedModels,
+    completions: ServingCompletion,
+    chat: ServingChat,
+    embeddings: ServingEmbedding,
+    metrics: PrometheusMetrics,
 ) -> APIRouter:
     router = APIRouter()
 
@@ -48,5 +59,14 @@ def make_router(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await admitted(chat.create(body, request), body.n, max_tokens)
+
+    @router.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        num_inputs = (
+            1
+            if isinstance(body.input, str) or (body.input and isinstance(body.input[0], int))
+            else len(body.input)
+        )
+        return await admitted(embeddings.create(body, request), 1, 1, num_inputs)
 
     return router
