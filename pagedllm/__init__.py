@@ -14,7 +14,13 @@ from pagedllm.version import __version__
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+    from pagedllm.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
@@ -26,6 +32,7 @@ _PUBLIC = {
     "Logprob": "pagedllm.outputs",
     "PoolingParams": "pagedllm.pooling_params",
     "RequestOutput": "pagedllm.outputs",
+    "ScoringRequestOutput": "pagedllm.outputs",
     "SamplingParams": "pagedllm.sampling_params",
 }
 __all__ = [
@@ -37,6 +44,7 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "__version__",
 ]
 

@@ -18,6 +18,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "logger",
         "outputs",
         "pooling_params",
+        "rerank_prompt",
         "sampling_params",
         "cpu_features",
         "cache_dir",

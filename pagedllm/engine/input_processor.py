@@ -92,6 +92,8 @@ class InputProcessor:
                 raise ValueError(f"{name}: {value} is over the limit of {self.max_logprobs} (--max-logprobs)")
         self._check_token_ids("stop_token_ids", params.stop_token_ids or [], allow_empty=True)
         self._check_token_ids("logit_bias", list(params.logit_bias or {}), allow_empty=True)
+        if params.pooling is not None and params.pooling.score_tokens is not None:
+            self._check_token_ids("score_tokens", list(params.pooling.score_tokens))
         limits.check_text("cache_salt", cache_salt, limits.MAX_CACHE_SALT_CHARS)
         limits.check_text("user", user, limits.MAX_USER_CHARS)
         return EngineRequest(

@@ -14,8 +14,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
-from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.rerank_prompt import reranker_prompt, yes_no_tokens
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import chat_prompt, max_prompt_chars, max_token_chars
 
@@ -101,6 +108,40 @@ class LLM:
             vector = EmbeddingOutput(output.embedding)
             embedded.append(EmbeddingRequestOutput(output.request_id, output.prompt_token_ids, vector))
         return embedded
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        instruction: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """How well each text_2 answers text_1 (one query against each document, or pairwise), by
+        a yes/no reranker (rerank_prompt.py: Qwen3-Reranker's prompt; the score is P("yes"))."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise ValueError(f"text_1: {len(firsts)} texts against {len(seconds)} in text_2")
+        tokenizer = self.get_tokenizer()
+        score_tokens = yes_no_tokens(tokenizer)
+        if score_tokens is None:
+            raise ValueError("this model's vocabulary has no single 'yes' and 'no' tokens to score with")
+        texts = [reranker_prompt(q, d, instruction) for q, d in zip(firsts, seconds, strict=True)]
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)} for text in texts
+        ]
+        pooling = PoolingParams(score_tokens=score_tokens)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
+        scored = []
+        for output in outputs:
+            if output.embedding is None:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+            score = ScoringOutput(output.embedding[0])
+            scored.append(ScoringRequestOutput(output.request_id, output.prompt_token_ids, score))
+        return scored
 
     def chat(
         self,

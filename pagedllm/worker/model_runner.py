@@ -108,7 +108,7 @@ class ModelRunner:
         output = ModelRunnerOutput(sampled_token_ids={})
         model_input, pooled = self._split_pooled(model_input)
         if not self.samples:
-            self._logits_for_rank_0(hidden, model_input)
+            self._logits_for_rank_0(hidden, model_input, pooled)
             return output
         if pooled:
             self._pool(hidden, pooled, output)
@@ -161,12 +161,24 @@ class ModelRunner:
 
     def _pool(self, hidden: torch.Tensor, pooled: list[tuple[int, int]], output: ModelRunnerOutput) -> None:
         """Each embedding request's output: its prompt's last hidden state, normed as the LM head
-        would see it, pooled by its PoolingParams."""
+        would see it, pooled by its PoolingParams; a scoring request's: from that row's logits."""
         batch = self.input_batch
         normed, _ = self.model.norm(hidden[[flat for _, flat in pooled]])
+        scored = self._scored_logits(hidden, pooled)
         for (row, _), vector in zip(pooled, normed, strict=True):
+            params = batch.pooling[row]
             with _failing_alone(output, batch.req_ids[row]):
-                output.pooled[batch.req_ids[row]] = batch.pooling[row].pool(vector)
+                pooled_value = params.score(scored[row]) if row in scored else params.pool(vector)
+                output.pooled[batch.req_ids[row]] = pooled_value
+
+    def _scored_logits(self, hidden: torch.Tensor, pooled: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """The logits of the scoring requests' last rows, by batch row (every rank computes them:
+        with a vocabulary-parallel head they are a collective; rank 0 alone gets them)."""
+        scoring = [(row, flat) for row, flat in pooled if self.input_batch.pooling[row].score_tokens]
+        if not scoring:
+            return {}
+        logits = self.model.compute_logits(hidden[[flat for _, flat in scoring]])
+        return {} if logits is None else {row: logits[i] for i, (row, _) in enumerate(scoring)}
 
     def _verify(
         self,
@@ -195,11 +207,15 @@ class ModelRunner:
             with _failing_alone(output, batch.req_ids[model_input.sampled_rows[i]]):
                 check([i])
 
-    def _logits_for_rank_0(self, hidden: torch.Tensor, model_input: ModelInput) -> None:
+    def _logits_for_rank_0(
+        self, hidden: torch.Tensor, model_input: ModelInput, pooled: list[tuple[int, int]]
+    ) -> None:
         """Tensor-parallel ranks but 0, with a vocabulary-parallel head: their share of every
-        logits rank 0 computes this step, in the same order (prompt scoring, then sampling)."""
+        logits rank 0 computes this step, in the same order (scoring requests, prompt scoring,
+        then sampling)."""
         if not self.model.lm_head.vocab_parallel:
             return
+        self._scored_logits(hidden, pooled)
         for _, first_row, num_rows in model_input.prompt_scoring:
             self.model.compute_logits(hidden[first_row : first_row + num_rows])
         if model_input.sampled_rows:

@@ -1,6 +1,8 @@
 """Embeddings (pooling_params.py): a prompt's last token's final hidden state, normed and
 normalized, equal to transformers' on the same random Qwen3 (float32); through chunked prefills,
-prefix-cache hits and beside generation requests in the same steps, which it leaves as they were."""
+prefix-cache hits and beside generation requests in the same steps, which it leaves as they were.
+Reranking scores (rerank_prompt.py): P("yes") over "yes" and "no" at the prompt's last position,
+equal to transformers' on the same prompt."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import LLM, PoolingParams, SamplingParams
+from pagedllm.rerank_prompt import reranker_prompt, yes_no_tokens
 
 from ..helpers import TINY, save_with_random_norms
 
@@ -105,8 +108,25 @@ def test_embedding_requests_share_steps_with_generation_and_leave_it_unchanged(q
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
 
 
+def test_rerank_scores_equal_transformers_yes_over_no(qwen3):
+    model, llm = qwen3
+    tokenizer = llm.get_tokenizer()
+    no, yes = yes_no_tokens(tokenizer)
+    query, documents = "what is a paged KV cache", ["blocks of keys and values", "a recipe for bread", "yes"]
+    ours = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    for document, score in zip(documents, ours, strict=True):
+        ids = tokenizer.encode(reranker_prompt(query, document), add_special_tokens=False)
+        with torch.inference_mode():
+            last = model(torch.tensor([ids])).logits[0, -1]
+        theirs = float(torch.softmax(last[[no, yes]], dim=-1)[1])
+        assert abs(score - theirs) < 1e-5, document
+    assert len(set(ours)) == 3  # the documents are told apart
+
+
 def test_bad_pooling_settings_are_refused():
     with pytest.raises(ValueError, match="dimensions: must be an integer >= 1"):
         PoolingParams(dimensions=0)
     with pytest.raises(ValueError, match="normalize: must be true or false"):
         PoolingParams(normalize="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="score_tokens: must be two token ids"):
+        PoolingParams(score_tokens=(1,))  # type: ignore[arg-type]

@@ -28,10 +28,12 @@ from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import ServedModels
+from pagedllm.entrypoints.openai.serving_score import ServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from pagedllm.metrics.http import instrument_http
 from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.rerank_prompt import yes_no_tokens
 from pagedllm.version import __version__
 
 
@@ -66,8 +68,9 @@ def build_app(
         truncate_history=server.truncate_chat_history,
     )
     embeddings = ServingEmbedding(engine, models, tokenizer, engine.facts.model_config.hidden_size)
+    scores = ServingScore(engine, models, tokenizer, yes_no_tokens(tokenizer.tokenizer))
     tokenization = ServingTokenization(models, tokenizer, chat, engine.facts.vocab_size)
-    app.include_router(routes_v1.make_router(models, completions, chat, embeddings, metrics))
+    app.include_router(routes_v1.make_router(models, completions, chat, embeddings, scores, metrics))
     app.include_router(routes_tokenize.make_router(tokenization))
     app.include_router(
         routes_stats.make_router(engine, metrics, live_stats, divergence_text=server.divergence_text)

@@ -450,5 +450,65 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class RerankDocumentText(OpenAIModel):
+    text: str
+
+
+class RerankRequest(OpenAIModel):
+    """/rerank (Jina's and Cohere's shape, as vLLM and llama.cpp serve it)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocumentText]
+    top_n: int | None = None
+    """The best top_n results (all by default)."""
+    return_documents: bool = True
+    instruction: str | None = None
+    """The reranker's task description (Qwen3-Reranker's <Instruct>); a default when left out."""
+    user: str | None = None
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocumentText | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ScoreRequest(OpenAIModel):
+    """/score (vLLM's): text_1 against each text_2 (or pairwise, a list against a list)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    instruction: str | None = None
+    user: str | None = None
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
 class ErrorResponse(BaseModel):
     error: ErrorInfo

@@ -1,6 +1,7 @@
 """The OpenAI routes: GET /v1/models, POST /v1/completions, /v1/chat/completions and
-/v1/embeddings. The handlers live in serving_*.py; here each request's admission is counted as
-vLLM counts it."""
+/v1/embeddings; and the reranking routes vLLM serves beside them: /rerank (also /v1/rerank and
+/v2/rerank) and /score. The handlers live in serving_*.py; here each request's admission is counted
+as vLLM counts it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     EmbeddingRequest,
     ModelList,
+    RerankRequest,
+    ScoreRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import ServedModels
+from pagedllm.entrypoints.openai.serving_score import ServingScore
 from pagedllm.metrics.prometheus import PrometheusMetrics
 
 
@@ -27,6 +31,7 @@ def make_router(
     completions: ServingCompletion,
     chat: ServingChat,
     embeddings: ServingEmbedding,
+    scores: ServingScore,
     metrics: PrometheusMetrics,
 ) -> APIRouter:
     router = APIRouter()
@@ -68,5 +73,16 @@ def make_router(
             else len(body.input)
         )
         return await admitted(embeddings.create(body, request), 1, 1, num_inputs)
+
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await admitted(scores.rerank(body, request), 1, 1, len(body.documents))
+
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        router.add_api_route(path, rerank, methods=["POST"])
+
+    @router.post("/score")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        num_pairs = len(body.text_2) if isinstance(body.text_2, list) else 1
+        return await admitted(scores.score(body, request), 1, 1, num_pairs)
 
     return router
