@@ -7,7 +7,8 @@ the same GGUF file, one server at a time, the same client.
 Inputs: --num-inputs token-id lists of --input-tokens random ids each (token ids, so neither
 tokenizer is involved), one input a request, --concurrency requests in flight. pagedllm: `serve
 FILE --max-num-seqs C`; llama.cpp: `llama-server -m FILE --embedding --pooling last -np C -t
-THREADS` with a batch that holds a whole input (its embedding mode takes an input in one batch).
+THREADS` with a batch that holds every input in flight (`-b`, `-ub`: its embedding mode takes an
+input whole in one batch).
 Both pool the last token and normalize. Printed per server and round: embeddings/s over the run,
 p50 latency, and the cosine between the two servers' vectors of the first input (the same model
 should give about the same vector); rounds alternate the servers.
@@ -39,7 +40,7 @@ def server_cmd(name: str, args: argparse.Namespace) -> list[str]:
             str(REPO / ".venv/bin/pagedllm"), "serve", str(args.file), "--served-model-name", MODEL_NAME,
             "--max-num-seqs", str(args.concurrency), "--max-model-len", "1024", "--port", str(args.port),
         ]  # fmt: skip
-    batch = str(max(512, args.input_tokens))
+    batch = str(max(512, args.input_tokens * args.concurrency))  # every input in flight in one batch
     return [
         args.llama_server, "-m", str(args.file), "--alias", MODEL_NAME, "--embedding", "--pooling", "last",
         "-np", str(args.concurrency), "-c", str(args.concurrency * 1024), "-b", batch, "-ub", batch,
