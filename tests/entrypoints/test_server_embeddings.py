@@ -1,7 +1,7 @@
 """POST /v1/embeddings through the OpenAI SDK against the shared server: the vectors equal the
 offline engine's (LLM.embed: tests/engine/test_embeddings.py checks those against transformers),
 in the inputs' order, as floats or base64, cut to `dimensions`; bad input gets a 400 naming the
-field, and the server goes on serving."""
+field, and the server goes on serving. --runner / --task pick the routes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ import pytest
 import torch
 
 from pagedllm import PoolingParams
+from pagedllm.entrypoints.openai import routes_v1
+from pagedllm.entrypoints.openai.server_config import ServerConfig
 
 from ..helpers import API_KEY, MODEL
 
+GENERATION = {"/v1/completions", "/v1/chat/completions"}
+POOLING = {"/v1/embeddings", "/rerank", "/v1/rerank", "/v2/rerank", "/score"}
 TEXTS = ["The cat sat on the mat.", "Paged attention keeps the KV cache in blocks.", "Bonjour"]
 
 
@@ -75,3 +79,26 @@ def test_bad_input_is_a_400_and_the_server_goes_on(client, body, message):
         client.embeddings.create(model=MODEL, **body)
     assert message in str(caught.value)
     assert client.embeddings.create(model=MODEL, input="still serving").data[0].embedding
+
+
+@pytest.mark.parametrize(
+    ("flags", "served"),
+    [
+        ({}, GENERATION | POOLING),
+        ({"runner": "generate"}, GENERATION),
+        ({"runner": "pooling"}, POOLING),
+        ({"task": "embed"}, POOLING),
+        ({"task": "score", "runner": "pooling"}, POOLING),
+        ({"task": "generate"}, GENERATION),
+    ],
+)
+def test_the_runner_picks_the_routes_as_vllms_does(flags, served):
+    """vLLM registers a pooling model's routes and not a generator's (a 404 for the others)."""
+    runner = ServerConfig(**flags).serves
+    router = routes_v1.make_router(None, None, None, None, None, None, runner)  # type: ignore[arg-type]
+    assert {route.path for route in router.routes} == served | {"/v1/models"}
+
+
+def test_a_task_that_contradicts_the_runner_is_refused():
+    with pytest.raises(ValueError, match="--task embed asks for --runner pooling, not generate"):
+        ServerConfig(task="embed", runner="generate")

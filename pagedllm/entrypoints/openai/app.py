@@ -70,7 +70,8 @@ def build_app(
     embeddings = ServingEmbedding(engine, models, tokenizer, engine.facts.model_config.hidden_size)
     scores = ServingScore(engine, models, tokenizer, yes_no_tokens(tokenizer.tokenizer))
     tokenization = ServingTokenization(models, tokenizer, chat, engine.facts.vocab_size)
-    app.include_router(routes_v1.make_router(models, completions, chat, embeddings, scores, metrics))
+    v1 = routes_v1.make_router(models, completions, chat, embeddings, scores, metrics, server.serves)
+    app.include_router(v1)
     app.include_router(routes_tokenize.make_router(tokenization))
     app.include_router(
         routes_stats.make_router(engine, metrics, live_stats, divergence_text=server.divergence_text)

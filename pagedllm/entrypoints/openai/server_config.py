@@ -23,6 +23,9 @@ from pagedllm.flags import flag, flag_shape
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+Runner = Literal["auto", "generate", "pooling"]
+Task = Literal["generate", "embed", "score"]
+_TASK_RUNNER = {"generate": "generate", "embed": "pooling", "score": "pooling"}
 
 
 def _flag(help_text: str, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -131,6 +134,21 @@ class ServerConfig:
             "it is your users' data: --no-divergence-text keeps offsets and counts only. (default: on)"
         ),
     )
+    runner: Runner = field(
+        default="auto",
+        metadata=_flag(
+            "Which routes serve the model (vLLM's --runner): generate = /v1/completions and "
+            "/v1/chat/completions; pooling = /v1/embeddings, /rerank and /score (an embedding or "
+            "reranker model); auto = all of them, from the one engine. (default: auto)"
+        ),
+    )
+    task: Task | None = field(
+        default=None,
+        metadata=_flag(
+            "vLLM's older name for --runner: generate = --runner generate; embed or score = --runner "
+            "pooling. (default: none)"
+        ),
+    )
     uvicorn_log_level: UvicornLogLevel = field(
         default="warning",
         metadata=_flag("uvicorn's own log level; info adds a line per HTTP request. (default: warning)"),
@@ -150,6 +168,14 @@ class ServerConfig:
             raise ValueError("--max-request-body-bytes must be >= 1")
         if self.chat_template_time_budget <= 0:
             raise ValueError("--chat-template-time-budget must be > 0")
+        if self.task is not None and self.runner not in ("auto", _TASK_RUNNER[self.task]):
+            wanted = _TASK_RUNNER[self.task]
+            raise ValueError(f"--task {self.task} asks for --runner {wanted}, not {self.runner}")
+
+    @property
+    def serves(self) -> Runner:
+        """The routes served: --runner, or what --task names."""
+        return _TASK_RUNNER[self.task] if self.task is not None else self.runner  # type: ignore[return-value]
 
     @property
     def tool_parser(self) -> str | None:
@@ -163,7 +189,12 @@ def _argparse_kwargs(f: dataclasses.Field) -> dict[str, Any]:
         kwargs["default"] = f.default_factory()  # when the parser is made (the environment then)
     else:
         kwargs["default"] = f.default
-    return {**kwargs, **flag_shape(f, {"UvicornLogLevel": UvicornLogLevel}, plain_switch=True)}
+    return {
+        **kwargs,
+        **flag_shape(
+            f, {"UvicornLogLevel": UvicornLogLevel, "Runner": Runner, "Task | None": Task}, plain_switch=True
+        ),
+    }
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
