@@ -4,6 +4,7 @@ tokens it answers with: each (query, document) pair is one prompt; its score is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
@@ -26,3 +27,16 @@ def yes_no_tokens(tokenizer: Any) -> tuple[int, int] | None:
     if any(i is None or i == tokenizer.unk_token_id for i in ids):
         return None
     return ids[0], ids[1]
+
+
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's /score pairing: one text_1 against each text_2, or pairwise; ValueError otherwise."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(
+            f"text_1: {len(firsts)} texts against {len(seconds)} in text_2 (one, or as many as text_2)"
+        )
+    return list(zip(firsts, seconds, strict=True))

@@ -22,7 +22,7 @@ from pagedllm.outputs import (
     ScoringRequestOutput,
 )
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.rerank_prompt import reranker_prompt, yes_no_tokens
+from pagedllm.rerank_prompt import reranker_prompt, score_pairs, yes_no_tokens
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import chat_prompt, max_prompt_chars, max_token_chars
 
@@ -118,17 +118,11 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """How well each text_2 answers text_1 (one query against each document, or pairwise), by
         a yes/no reranker (rerank_prompt.py: Qwen3-Reranker's prompt; the score is P("yes"))."""
-        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds):
-            raise ValueError(f"text_1: {len(firsts)} texts against {len(seconds)} in text_2")
         tokenizer = self.get_tokenizer()
         score_tokens = yes_no_tokens(tokenizer)
         if score_tokens is None:
             raise ValueError("this model's vocabulary has no single 'yes' and 'no' tokens to score with")
-        texts = [reranker_prompt(q, d, instruction) for q, d in zip(firsts, seconds, strict=True)]
+        texts = [reranker_prompt(q, d, instruction) for q, d in score_pairs(text_1, text_2)]
         prompts: list[PromptType] = [
             {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)} for text in texts
         ]

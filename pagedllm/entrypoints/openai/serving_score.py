@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_common import check_prompt_chars, collect_until_disconnected
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.rerank_prompt import reranker_prompt
+from pagedllm.rerank_prompt import reranker_prompt, score_pairs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -75,17 +75,8 @@ class ServingScore:
 
     async def score(self, request: ScoreRequest, raw_request: Request) -> Response:
         model = self.models.resolve(request.model)
-        firsts = [request.text_1] if isinstance(request.text_1, str) else request.text_1
-        seconds = [request.text_2] if isinstance(request.text_2, str) else request.text_2
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds):
-            raise ValueError(
-                f"text_1: {len(firsts)} texts against {len(seconds)} in text_2 (one, or as many as text_2)"
-            )
-        scored = await self._scores(
-            list(zip(firsts, seconds, strict=True)), request.instruction, request.user, raw_request
-        )
+        pairs = score_pairs(request.text_1, request.text_2)
+        scored = await self._scores(pairs, request.instruction, request.user, raw_request)
         if scored is None:
             return Response(status_code=499)
         scores, num_tokens = scored
