@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, PoolingParams, SamplingParams
 from pagedllm.bench.server_process import ServerProcess
 from pagedllm.core.block_hash import extend_hashes, get_hash_function
 from pagedllm.distributed import shm_all_reduce
@@ -26,6 +26,7 @@ from pagedllm.model.config_reader import model_config_from_folder
 from pagedllm.model.gguf_convert import converted_folder
 from pagedllm.model.locate import default_model_path
 from pagedllm.planner import MemoryBudget, config_from_numbers, plan_capacity
+from pagedllm.rerank_prompt import yes_no_tokens
 
 from ..helpers import save_with_random_norms, write_tiny_gguf
 from ..model.moe_helpers import eager_random_model, moe_config, qwen2_moe_config
@@ -439,3 +440,35 @@ def test_tp2_holds_half_the_quantized_experts_in_their_blocks(tmp_path):
     assert_same_output(run, reference, "TP=2 on Q4_0 experts")
     if cpu_ops.serves_quant_linear(4, 32, 32):
         assert run.weight_bytes["Q4_0"] * 2 == reference.weight_bytes["Q4_0"]
+
+
+def test_tp2_embeds_and_scores_as_tp1_in_the_steps_of_generation(tiny_model):
+    """Embedding, scoring and generation requests in the same steps on two ranks: the pooled rows
+    leave the step's logits alike on every rank (a vocabulary-parallel head's logits are a
+    collective, the scoring rows' first), and the vectors, scores and tokens are TP=1's."""
+    prompts = [{"prompt_token_ids": ids} for ids in ([7, 8, 9, 10] * 3, [11, 12] * 9, [13] * 30)]
+
+    def run(**engine_args) -> dict:
+        with LLM(tiny_model, **ENGINE_ARGS, **engine_args) as llm:
+            engine = llm.llm_engine
+            score = PoolingParams(score_tokens=yes_no_tokens(llm.get_tokenizer()))
+            kinds = {
+                "gen": GREEDY,
+                "emb": SamplingParams(max_tokens=1, pooling=PoolingParams()),
+                "score": SamplingParams(max_tokens=1, pooling=score),
+            }
+            for i, prompt in enumerate(prompts):
+                for kind, params in kinds.items():
+                    engine.add_request(f"{kind}-{i}", prompt, params)
+            outputs = {}
+            while engine.has_unfinished_requests():
+                outputs |= {o.request_id: o for o in engine.step() if o.finished}
+        return {
+            req_id: o.embedding if o.embedding is not None else o.outputs[0].token_ids
+            for req_id, o in outputs.items()
+        }
+
+    ours, reference = run(tensor_parallel_size=2), run()
+    assert ours.keys() == reference.keys() and len(ours) == 9
+    for req_id, theirs in reference.items():
+        assert ours[req_id] == (theirs if req_id.startswith("gen") else pytest.approx(theirs, abs=1e-5))
