@@ -79,10 +79,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
-        is_one = isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
-        )
-        batch = cast(list[PromptType], [prompts] if is_one else list(cast(Sequence[PromptType], prompts)))
+        batch = _as_batch(prompts)
         params = self._params_per_prompt(batch, sampling_params)
         return self._run(batch, params, use_tqdm)
 
@@ -95,10 +92,7 @@ class LLM:
         """Each prompt's embedding (pooling_params.py: its last token's final hidden state, normed,
         then PoolingParams' dimensions and normalization), in the prompts' order. A request that
         failed raises RuntimeError naming it."""
-        is_one = isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
-        )
-        batch = cast(list[PromptType], [prompts] if is_one else list(cast(Sequence[PromptType], prompts)))
+        batch = _as_batch(prompts)
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling_params or PoolingParams())
         outputs = self._run(batch, [params] * len(batch), use_tqdm)
         embedded = []
@@ -204,6 +198,14 @@ class LLM:
                         bar.update(1)
         bar.close()
         return _merge_by_prompt(finished, owners, len(prompts))
+
+
+def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a text, a dict, a list of token ids) as a batch of one; a batch as a list."""
+    is_one = isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    )
+    return cast(list[PromptType], [prompts] if is_one else list(cast(Sequence[PromptType], prompts)))
 
 
 def _merge_by_prompt(
