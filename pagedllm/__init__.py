@@ -14,6 +14,7 @@ from pagedllm.version import __version__
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.lora_request import LoRARequest
     from pagedllm.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,
@@ -30,6 +31,7 @@ _PUBLIC = {
     "EmbeddingRequestOutput": "pagedllm.outputs",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "Logprob": "pagedllm.outputs",
+    "LoRARequest": "pagedllm.lora_request",
     "PoolingParams": "pagedllm.pooling_params",
     "RequestOutput": "pagedllm.outputs",
     "ScoringRequestOutput": "pagedllm.outputs",
@@ -40,6 +42,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestOutput",

@@ -27,7 +27,8 @@ HashAlgo = Literal["sha256", "xxhash"]
 ExecutorBackend = Literal["mp", "ray"]
 LinearBackend = Literal["auto", "few_rows", "onednn", "torch"]
 
-DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3  # what vLLM's CPU backend takes when nothing is said
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+MAX_LORA_RANK = 512  # vLLM's highest  # what vLLM's CPU backend takes when nothing is said
 
 _SIZE_UNITS = {
     "": 1,
@@ -231,6 +232,23 @@ class EngineConfig:
             "batch; greedy output is unchanged, sampled output keeps its distribution."
         ),
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata=_flag(
+            "Serve LoRA adapters on the base model (PEFT folders or llama.cpp GGUF LoRA files): a "
+            "request names its adapter; one step mixes rows of several adapters and the base model."
+        ),
+    )
+    max_loras: int = field(
+        default=1, metadata=_flag("Most adapters running in one step (with --enable-lora).")
+    )
+    max_lora_rank: int = field(
+        default=16, metadata=_flag("Highest adapter rank served (with --enable-lora).")
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=_flag("Adapters kept read in memory, least recently used let go (default: --max-loras)."),
+    )
     chat_template: str | None = field(
         default=None, metadata=_flag("Chat template (Jinja text or a file) instead of the tokenizer's.")
     )
@@ -321,6 +339,20 @@ class EngineConfig:
                 f"{warmup}: {'not a regular file' if os.path.exists(warmup) else 'no such file'}; "
                 "give --prefix-cache-warmup a JSONL file of prompts or conversations",
             )
+        need(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
+        need(
+            1 <= self.max_lora_rank <= MAX_LORA_RANK,
+            "max_lora_rank",
+            f"must be 1 to {MAX_LORA_RANK}, got {self.max_lora_rank}",
+        )
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        assert self.max_cpu_loras is not None
+        need(
+            self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            f"{self.max_cpu_loras} is below max_loras {self.max_loras}",
+        )
         need(self.log_stats_interval > 0, "log_stats_interval", "must be > 0")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
@@ -63,6 +64,8 @@ class Request:
     cache_salt: str | None = None
     user: str | None = None
     """Caller's name (the OpenAI `user` field), for per-caller cache statistics."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs under (None: the base model)."""
     arrival_time: float = field(default_factory=time.monotonic)
     grammar: RequestGrammar | None = None
     """Where the output stands in its grammar (structured output requests only)."""
@@ -88,6 +91,11 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "logger",
         "outputs",
         "pooling_params",
+        "lora_request",
         "rerank_prompt",
         "sampling_params",
         "cpu_features",
@@ -36,6 +37,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
     ["model", "sample", "spec_decode"],
     ["quantization"],  # the format families read files through model/
     ["model_loader"],  # builds a model/ and fills it through quantization/
+    ["lora"],  # adapters read through model/'s GGUF reader, applied around layers/' projections
     ["worker"],
     ["executor"],
     ["engine"],

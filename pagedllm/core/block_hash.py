@@ -1,12 +1,13 @@
 """Chained content hashes of full KV blocks: the keys of the prefix cache.
 
-    block 0: hash(b"",     tokens[0:16],  salt)   salt only in the first block
+    block 0: hash(b"",     tokens[0:16],  salt, adapter)   salt and adapter only in the first block
     block 1: hash(hash_0,  tokens[16:32])
     block 2: hash(hash_1,  tokens[32:48])         a block's hash names its whole prefix
 
 Two requests share block i only if every token before the end of block i is equal (and
-so is the cache salt). The hash is collision resistant (sha256, or xxh3-128 when asked
-for speed) over a fixed byte encoding, never Python's salted `hash()`. A partial last
+so is the cache salt, and the LoRA adapter they run under: K/V computed under one adapter is
+never served to another, nor to the base model). The hash is collision resistant (sha256, or
+xxh3-128 when asked for speed) over a fixed byte encoding, never Python's salted `hash()`. A partial last
 block has no hash and is never shared.
 """
 
@@ -41,18 +42,23 @@ def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],
     cache_salt: str | None = None,
+    lora_key: str | None = None,
 ) -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block)."""
     parts = [parent_hash or b"", array("q", token_ids).tobytes()]
-    if cache_salt is not None:
-        salt = cache_salt.encode()
-        parts.append(b"salt" + len(salt).to_bytes(4, "little") + salt)
+    for tag, key in ((b"salt", cache_salt), (b"lora", lora_key)):
+        if key is not None:
+            data = key.encode()
+            parts.append(tag + len(data).to_bytes(4, "little") + data)
     return hash_fn(b"".join(parts))
 
 
 def extend_block_hashes(request: Request, block_size: int, hash_fn: HashFunction) -> None:
     """Hash every block of `request` that is full and not hashed yet."""
-    extend_hashes(request.block_hashes, request.all_token_ids, block_size, hash_fn, request.cache_salt)
+    lora_key = request.lora_request.cache_key if request.lora_request is not None else None
+    extend_hashes(
+        request.block_hashes, request.all_token_ids, block_size, hash_fn, request.cache_salt, lora_key
+    )
 
 
 def extend_hashes(
@@ -61,13 +67,19 @@ def extend_hashes(
     block_size: int,
     hash_fn: HashFunction,
     cache_salt: str | None = None,
+    lora_key: str | None = None,
 ) -> list[BlockHash]:
     """Append to `hashes` the chained hashes of the full blocks of `token_ids` it lacks (the salt
-    goes into the first block's); returns `hashes`."""
+    and the adapter go into the first block's); returns `hashes`."""
     while len(hashes) < len(token_ids) // block_size:
         index = len(hashes)
         start = index * block_size
         parent = hashes[-1] if hashes else None
-        salt = cache_salt if index == 0 else None
-        hashes.append(hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], salt))
+        first = index == 0
+        block = token_ids[start : start + block_size]
+        hashes.append(
+            hash_block_tokens(
+                hash_fn, parent, block, cache_salt if first else None, lora_key if first else None
+            )
+        )
     return hashes

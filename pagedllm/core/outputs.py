@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int]
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -11,7 +11,9 @@ A step:
    never starved by a long prompt. When the pool is short, the newest running request
    is preempted (blocks freed, recomputed later) until the allocation fits.
 2. If nobody was preempted, waiting requests are admitted (arrival order, or longest
-   cached prefix first with `lpm`) while seats, budget and blocks allow.
+   cached prefix first with `lpm`) while seats, budget and blocks allow. With LoRA, at most
+   max_loras adapters run at once: a request of another adapter waits, and the next one that
+   fits is admitted before it (vLLM's rule).
 
 Speculative decoding: a decoding request also checks the draft tokens the DraftPolicy allows
 (core/draft_policy.py decides); the scheduler fits them in the budget and the pool, and reports
@@ -179,6 +181,8 @@ class Scheduler:
     def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request, computed_blocks, num_hit_tokens = self._pick_waiting()
+            if request is None:
+                break  # every waiting request's adapter waits for a running one's to finish
             num_new = min(request.num_tokens - num_hit_tokens, token_budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # the pool is full: keep arrival order, try again next step
@@ -189,8 +193,11 @@ class Scheduler:
         return token_budget
 
     def _pick_waiting(self):
-        """The next request to admit, with its cached prefix blocks."""
-        head = next(iter(self.waiting.values()))
+        """The next request to admit, with its cached prefix blocks (None: none may run now)."""
+        fits = self._fits_loras()
+        head = next((request for request in self.waiting.values() if fits(request)), None)
+        if head is None:
+            return None, [], 0
         if self.config.scheduling_policy == "fcfs" or self._head_skips >= LPM_MAX_SKIPS:
             self._head_skips = 0
             return (head, *self._cached_prefix(head))
@@ -198,6 +205,8 @@ class Scheduler:
         for count, request in enumerate(self.waiting.values()):
             if count == LPM_WINDOW:
                 break
+            if not fits(request):
+                continue
             blocks, num_hit = self._cached_prefix(request)
             if best is None or num_hit > best[2]:
                 best = (request, blocks, num_hit)
@@ -208,6 +217,15 @@ class Scheduler:
             # tier, evicting free cached blocks this one had found
             return (best[0], *self._cached_prefix(best[0]))
         return best
+
+    def _fits_loras(self):
+        """Whether a waiting request may run beside the running ones: its adapter is running,
+        or fewer than max_loras are."""
+        if not self.config.enable_lora:
+            return lambda request: True
+        running = {request.lora_id for request in self.running} - {0}
+        room = len(running) < self.config.max_loras
+        return lambda request: request.lora_id == 0 or request.lora_id in running or room
 
     def _cached_prefix(self, request: Request):
         if request.sampling_params.prompt_logprobs is not None:
@@ -267,6 +285,7 @@ class Scheduler:
                 eos_token_ids=request.eos_token_ids,
                 block_ids=block_ids,
                 num_computed_tokens=start,
+                lora_request=request.lora_request,
             )
         )
 

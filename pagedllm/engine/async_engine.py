@@ -48,6 +48,8 @@ from pagedllm.engine.model_source import ModelSource
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_stream import RequestStream
 from pagedllm.engine.warm_up import warm_up
+from pagedllm.lora.checker import lora_checker_for
+from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.outputs import INVALID_REQUEST, RequestOutput
@@ -144,7 +146,12 @@ class AsyncLLM:
         try:
             async_llm = cls(
                 core,
-                InputProcessor.for_model(core.facts, tokenizer, core.config.max_logprobs),
+                InputProcessor.for_model(
+                    core.facts,
+                    tokenizer,
+                    core.config.max_logprobs,
+                    lora_checker_for(core.config, core.facts.model_config),
+                ),
                 OutputProcessor(tokenizer, speculative=core.config.speculation is not None),
                 source=source,
                 max_queue_len=max_queue_len,
@@ -239,6 +246,7 @@ class AsyncLLM:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         user: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue `params.n` sequences per prompt (choice i*n + j: prompt i, seed + j) as one
         atomic add: all are queued or none. Raises ValueError for a bad request,
@@ -248,7 +256,13 @@ class AsyncLLM:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         processed = [
             self.input_processor.process(
-                request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt, user=user
+                request_id,
+                prompt,
+                params,
+                arrival_time=arrival,
+                cache_salt=cache_salt,
+                user=user,
+                lora_request=lora_request,
             )
             for prompt in prompts
         ]

@@ -128,6 +128,7 @@ class EngineCore:
             prompt=processed.prompt,
             cache_salt=processed.cache_salt,
             user=processed.user,
+            lora_request=processed.lora_request,
             arrival_time=processed.arrival_time,
             grammar=RequestGrammar(processed.grammar) if processed.grammar is not None else None,
         )

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from pagedllm import limits
 from pagedllm.engine.messages import EngineRequest, ModelFacts
+from pagedllm.lora.checker import LoRAChecker
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.backend import StructuredOutputBackend
 
@@ -41,7 +43,10 @@ class InputProcessor:
         max_logprobs: int,
         tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: Iterable[int],
+        lora_checker: LoRAChecker | None = None,
     ) -> None:
+        """`lora_checker`: the adapters' check with --enable-lora (None: requests name none)."""
+        self.lora_checker = lora_checker
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
@@ -52,7 +57,11 @@ class InputProcessor:
 
     @classmethod
     def for_model(
-        cls, facts: ModelFacts, tokenizer: PreTrainedTokenizerBase, max_logprobs: int
+        cls,
+        facts: ModelFacts,
+        tokenizer: PreTrainedTokenizerBase,
+        max_logprobs: int,
+        lora_checker: LoRAChecker | None = None,
     ) -> InputProcessor:
         """A front end's own processor: the core's facts, and the front end's tokenizer, whose
         end-of-sequence id joins the model's (generation_config's, e.g. Llama 3's <|eot_id|>)."""
@@ -65,6 +74,7 @@ class InputProcessor:
             max_logprobs=max_logprobs,
             tokenizer=tokenizer,
             eos_token_ids=eos,
+            lora_checker=lora_checker,
         )
 
     def process(
@@ -76,12 +86,13 @@ class InputProcessor:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         user: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineRequest:
         """Tokenize a text prompt, truncate it (truncate_prompt_tokens) and check the request
         against the model's limits. The grammar is left to `compile_grammar` (or the server's
         compile pool). Raises ValueError naming the first field at fault, checked in this order:
         prompt, prompt_token_ids, lengths, logprobs, prompt_logprobs, stop_token_ids, logit_bias,
-        cache_salt, user."""
+        cache_salt, user, lora_request."""
         prompt_text, prompt_ids = self._tokenize(prompt)
         prompt_ids = self.truncated(prompt_ids, params)
         self._check_token_ids("prompt_token_ids", prompt_ids)
@@ -96,6 +107,10 @@ class InputProcessor:
             self._check_token_ids("score_tokens", list(params.pooling.score_tokens))
         limits.check_text("cache_salt", cache_salt, limits.MAX_CACHE_SALT_CHARS)
         limits.check_text("user", user, limits.MAX_USER_CHARS)
+        if lora_request is not None:
+            if self.lora_checker is None:
+                raise ValueError("lora_request: this engine serves no adapters (start it with --enable-lora)")
+            self.lora_checker.check(lora_request)
         return EngineRequest(
             req_id=req_id,
             prompt_token_ids=prompt_ids,
@@ -105,6 +120,7 @@ class InputProcessor:
             prompt=prompt_text,
             cache_salt=cache_salt,
             user=user,
+            lora_request=lora_request,
             eos_token_ids=self.eos_token_ids,
         )
 

@@ -25,6 +25,8 @@ from pagedllm.engine.messages import EngineRequest
 from pagedllm.engine.model_source import ModelSource
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.warm_up import warm_up
+from pagedllm.lora.checker import lora_checker_for
+from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.metrics.stats_logger import StatsLogger
 from pagedllm.outputs import RequestOutput
@@ -53,7 +55,12 @@ class LLMEngine:
         self.facts = self.core.facts
         self.config = self.core.config
         """The config in effect: max_model_len resolved."""
-        self.input_processor = InputProcessor.for_model(self.facts, self.tokenizer, self.config.max_logprobs)
+        self.input_processor = InputProcessor.for_model(
+            self.facts,
+            self.tokenizer,
+            self.config.max_logprobs,
+            lora_checker_for(self.config, self.facts.model_config),
+        )
         self.output_processor = OutputProcessor(
             self.tokenizer, speculative=self.config.speculation is not None
         )
@@ -81,6 +88,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         user: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue one request from raw inputs: `input_processor` checks, truncates and tokenizes it
         (and compiles its grammar) here, then add_processed. Raises ValueError (naming what is
@@ -92,7 +100,13 @@ class LLMEngine:
             )
         req_id = request_id if request_id is not None else str(next(self._request_counter))
         request = self.input_processor.process(
-            req_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt, user=user
+            req_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            user=user,
+            lora_request=lora_request,
         )
         if params.structured_outputs is not None:
             grammar = self.input_processor.compile_grammar(params.structured_outputs)

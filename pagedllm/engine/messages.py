@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import KVCachePlan
@@ -32,6 +33,8 @@ class EngineRequest:
     prompt: str | None = None
     cache_salt: str | None = None
     user: str | None = None
+    lora_request: LoRARequest | None = None
+    """The adapter it runs under, checked by the front end (None: the base model)."""
     grammar: xgrammar.CompiledGrammar | None = None
     """Compiled from sampling_params.structured_outputs (set when that is, before add_request)."""
     eos_token_ids: frozenset[int] = frozenset()

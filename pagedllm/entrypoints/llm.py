@@ -14,6 +14,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -77,11 +78,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order."""
+        """Run every prompt to completion; outputs come back in the prompts' order.
+        `lora_request`: the adapter all prompts run under, or one per prompt (None: the base
+        model; needs enable_lora=True)."""
         batch = _as_batch(prompts)
         params = self._params_per_prompt(batch, sampling_params)
-        return self._run(batch, params, use_tqdm)
+        return self._run(batch, params, use_tqdm, _per_prompt(batch, lora_request))
 
     def embed(
         self,
@@ -138,6 +142,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. The template is
         untrusted input (it comes with the model): it renders within the server's default time
@@ -159,7 +164,8 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self._run(prompts, self._params_per_prompt(prompts, sampling_params), use_tqdm)
+        params = self._params_per_prompt(prompts, sampling_params)
+        return self._run(prompts, params, use_tqdm, _per_prompt(prompts, lora_request))
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached-but-free block. Returns how many were dropped."""
@@ -175,15 +181,20 @@ class LLM:
         return list(sampling_params)
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        adapters: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # One engine request per sequence; n > 1 fans out with seeds seed, seed+1, ...
         owners: dict[str, tuple[int, int]] = {}
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                adapter = adapters[index] if adapters is not None else None
                 for j, child in enumerate(p.per_sequence()):
-                    req_id = engine.add_request(f"{next(self._ids)}", prompt, child)
+                    req_id = engine.add_request(f"{next(self._ids)}", prompt, child, lora_request=adapter)
                     owners[req_id] = (index, j)
         except ValueError:
             engine.abort_request(list(owners))
@@ -198,6 +209,17 @@ class LLM:
                         bar.update(1)
         bar.close()
         return _merge_by_prompt(finished, owners, len(prompts))
+
+
+def _per_prompt(
+    prompts: list[PromptType], lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * len(prompts)
+    if len(lora_request) != len(prompts):
+        raise ValueError(f"lora_request: {len(lora_request)} given for {len(prompts)} prompts")
+    return list(lora_request)
 
 
 def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.outputs import NewRequestData, SchedulerOutput
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sample.metadata import Penalties, SamplingMetadata
 
@@ -70,6 +71,8 @@ class InputBatch:
         """Row -> (min_tokens, the stop and end-of-sequence ids banned until then)."""
         self.pooling: dict[int, PoolingParams] = {}
         """Row -> the settings of an embedding request (pooled where it would sample)."""
+        self.lora: dict[int, LoRARequest] = {}
+        """Row -> the adapter its request runs under (rows of the base model are not here)."""
         self._num_logprobs: list[int | None] = [None] * max_num_reqs
         self.num_prompt_logprobs: list[int | None] = [None] * max_num_reqs
         self.generators: dict[str, torch.Generator] = {}
@@ -214,6 +217,7 @@ class InputBatch:
             self._logit_bias.pop(row, None)
             self._min_tokens.pop(row, None)
             self.pooling.pop(row, None)
+            self.lora.pop(row, None)
             self._free_rows.append(row)
 
     def _add(self, new: NewRequestData) -> None:
@@ -232,6 +236,8 @@ class InputBatch:
         self._num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         self._set_sampling(row, new)
+        if new.lora_request is not None:
+            self.lora[row] = new.lora_request
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         end = self._num_blocks[row] + len(block_ids)

@@ -24,6 +24,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend, select_backend
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.model.llama import KVCache, LlamaForCausalLM
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.spec_decode.proposer import make_proposer
@@ -48,12 +49,15 @@ class ModelRunner:
         max_model_len: int,
         samples: bool = True,
         speculation: SpeculativeConfig | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         """`samples`: False on tensor-parallel ranks other than 0, which run the forward pass
         (its all-reduces need them) and leave sampling to rank 0 (with a vocabulary-parallel LM
         head they compute their share of its logits). `speculation`: propose draft tokens after
-        each step for the requests that sampled (rank 0 only)."""
+        each step for the requests that sampled (rank 0 only). `lora`: the adapters, with
+        --enable-lora."""
         self.model = model
+        self.lora = lora
         self.samples = samples
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -93,19 +97,26 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
         spec = scheduler_output.scheduled_spec_decode_tokens
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        counts = list(scheduler_output.num_scheduled_tokens.values())
+        output = ModelRunnerOutput(sampled_token_ids={})
+        if self.lora is not None:  # each adapter's requests one run of rows
+            adapters = [batch.lora.get(batch.row_of[req_id]) for req_id in req_ids]
+            order, failed = self.lora.arrange(adapters, counts)
+            output.failed.update({req_ids[i]: error for i, error in failed.items()})
+            req_ids, counts = [req_ids[i] for i in order], [counts[i] for i in order]
         model_input = build_model_input(
             batch,
-            [batch.row_of[req_id] for req_id in scheduler_output.num_scheduled_tokens],
-            list(scheduler_output.num_scheduled_tokens.values()),
+            [batch.row_of[req_id] for req_id in req_ids],
+            counts,
             self.block_size,
             self.device,
             self.attn_backend,
-            [spec.get(req_id, []) for req_id in scheduler_output.num_scheduled_tokens] if spec else None,
+            [spec.get(req_id, []) for req_id in req_ids] if spec else None,
         )
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata
         )
-        output = ModelRunnerOutput(sampled_token_ids={})
         model_input, pooled = self._split_pooled(model_input)
         if not self.samples:
             self._logits_for_rank_0(hidden, model_input, pooled)

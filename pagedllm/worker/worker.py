@@ -22,6 +22,8 @@ from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.layers import bind_attributes
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.locate import resolve_dtype
@@ -89,6 +91,8 @@ class Worker:
         self.model: LlamaForCausalLM | None = None
         self.packed_copy_bytes = 0  # a tied lm_head's packed copy, beside the embedding it shares
         self.runner: ModelRunner | None = None
+        self.lora: LoRAManager | None = None
+        """The adapters' slots and cache, with --enable-lora."""
         self.kv_cache_plan: KVCachePlan | None = None
         self.kv_offload: KVOffloadMover | None = None
         """This rank's disk tier (--kv-offload-dir), once open_kv_offload() ran."""
@@ -156,6 +160,9 @@ class Worker:
             self.config.quantization,
         )
         self.packed_copy_bytes = self.model.prepare(self.dtype, self.config.linear_backend)
+        if self.config.enable_lora:
+            self.lora = LoRAManager(self.model, self.config, self.model_config, self.dtype)
+            bind_attributes(self.model)  # the LoRA layers wrap projections bound before
         if self.cpu_threads is not None:  # not before: loading's temporaries would stay resident
             keep_freed_memory()
 
@@ -195,6 +202,7 @@ class Worker:
             max_model_len=plan.max_model_len,
             samples=self.tp is None or self.tp.is_driver,
             speculation=self.config.speculation,
+            lora=self.lora,
         )
         if isinstance(self.runner.attn_backend, CpuKernelBackend):
             logger.info("Attention: %s", self.runner.attn_backend.name)

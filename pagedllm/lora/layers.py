@@ -1,0 +1,122 @@
+"""LoRALinear: a projection whose output gets, per group of rows, its adapter's low-rank product.
+
+    out = x Wᵀ                               the base projection, its weights as held (quantized or float)
+    for each group (slot, rows start..end):  out[rows] += (x[rows] A_slotᵀ) B_slotᵀ   (B holds the scaling)
+
+Each layer holds `max_loras` slots of A and B (an adapter placed in a slot is copied into every
+layer's); a step's rows are ordered by adapter, so each group is a run of rows and costs one
+shrink (x Aᵀ, r columns a part) and one expand per part of a fused projection (q, k, v; gate, up):
+punica's shrink and expand, as two small matrix products per group on CPU. Rows of the base
+model are in no group.
+
+Tensor parallelism: a column-parallel projection holds this rank's rows of B (its output rows), a
+row-parallel one this rank's columns of A (its input columns); since (x_r A_rᵀ) Bᵀ summed over the
+ranks is (x Aᵀ) Bᵀ, each rank adds its part before the all-reduce the base projection makes anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.layers.direct_call import DirectCall
+from pagedllm.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
+
+
+@dataclass
+class LoRAMapping:
+    """This step's groups of rows, shared by every LoRALinear: (slot, first row, end row)."""
+
+    groups: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class LoRALinear(DirectCall, nn.Module):
+    def __init__(
+        self,
+        base: Linear,
+        part_sizes: list[int],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        mapping: LoRAMapping,
+    ) -> None:
+        """`part_sizes`: this rank's output rows of each checkpoint projection fused in `base`;
+        `dtype`: the activations'."""
+        super().__init__()
+        self.base = base
+        self.mapping = mapping
+        self.max_rank = max_rank
+        self.part_offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes) + 1)]
+        self.lora_a = torch.zeros(max_loras, len(part_sizes) * max_rank, base.in_features, dtype=dtype)
+        self.lora_b = torch.zeros(max_loras, self.part_offsets[-1], max_rank, dtype=dtype)
+        self.ranks = [0] * max_loras
+        """The rank each slot computes with here (0: its adapter leaves this projection alone)."""
+        self.tp = getattr(base, "tp", None)
+        self.row_parallel = isinstance(base, RowParallelLinear)
+        self.reduce = self.row_parallel and self.tp is not None and base.reduce_results
+
+    def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Place an adapter's pairs (A [r, in], B [out, r] whole, per part; None for a part it
+        leaves alone) in `slot`, this rank's share of each."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        rank = max((a.shape[0] for a, _ in filter(None, parts)), default=0)
+        for index, pair in enumerate(parts):
+            if pair is None:
+                continue
+            a, b = pair
+            if self.tp is not None and self.row_parallel:
+                width = self.base.in_features
+                a = a[:, self.tp.rank * width : (self.tp.rank + 1) * width]
+            elif self.tp is not None:
+                size = self.part_offsets[index + 1] - self.part_offsets[index]
+                b = b[self.tp.rank * size : (self.tp.rank + 1) * size]
+            first = index * self.max_rank
+            self.lora_a[slot, first : first + a.shape[0]] = a
+            self.lora_b[slot, self.part_offsets[index] : self.part_offsets[index + 1], : b.shape[1]] = b
+        self.ranks[slot] = rank
+
+    def clear_slot(self, slot: int) -> None:
+        self.ranks[slot] = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base
+        out = base.impl(x, base.weight, base.bias)
+        for slot, start, end in self.mapping.groups:
+            rank = self.ranks[slot]
+            if rank:
+                self._add(out[start:end], x[start:end], slot, rank)
+        return self.tp.all_reduce(out) if self.reduce and self.tp is not None else out
+
+    def _add(self, out: torch.Tensor, x: torch.Tensor, slot: int, rank: int) -> None:
+        shrunk = x @ self.lora_a[slot].t()  # [rows, parts * max_rank]
+        offsets, b = self.part_offsets, self.lora_b[slot]
+        for index in range(len(offsets) - 1):
+            first = index * self.max_rank
+            part = b[offsets[index] : offsets[index + 1], :rank]
+            out[:, offsets[index] : offsets[index + 1]].addmm_(shrunk[:, first : first + rank], part.t())
+
+
+def add_lora_layers(
+    model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, mapping: LoRAMapping
+) -> dict[str, LoRALinear]:
+    """Put a LoRALinear around every projection an adapter may change (attention's qkv and o, a
+    dense MLP's gate_up and down); returns them by module path (layers.3.self_attn.qkv_proj)."""
+    wrapped = {}
+    layers: nn.ModuleList = model.layers  # type: ignore[assignment]
+    for index, layer in enumerate(layers):
+        owners = [("self_attn", layer.self_attn, ("qkv_proj", "o_proj"))]
+        if isinstance(getattr(layer.mlp, "gate_up_proj", None), Linear):
+            owners.append(("mlp", layer.mlp, ("gate_up_proj", "down_proj")))
+        for block, owner, names in owners:
+            for name in names:
+                base = getattr(owner, name)
+                sizes = (
+                    base.output_sizes if isinstance(base, MergedColumnParallelLinear) else [base.out_features]
+                )
+                lora = LoRALinear(base, sizes, max_loras, max_rank, dtype, mapping)
+                setattr(owner, name, lora)
+                wrapped[f"layers.{index}.{block}.{name}"] = lora
+    return wrapped
