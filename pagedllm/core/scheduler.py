@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.draft_policy import DraftPolicy
@@ -243,7 +244,8 @@ class Scheduler:
         request.num_cached_tokens = num_hit_tokens
         request.metrics.first_scheduled_time = time.monotonic()
         if self.kv_cache_manager.enable_caching:
-            self.prefix_cache_stats.record(request.user, request.num_prompt_tokens, num_hit_tokens)
+            adapter = request.lora_request.lora_name if request.lora_request is not None else None
+            self.prefix_cache_stats.record(request.user, request.num_prompt_tokens, num_hit_tokens, adapter)
             self.num_disk_hit_tokens += num_disk_hit_blocks * self.kv_cache_manager.block_size
             if self.divergence is not None:
                 self.divergence.observe(request.prompt_token_ids, request.block_hashes)
@@ -405,4 +407,11 @@ class Scheduler:
             num_disk_hit_tokens=self.num_disk_hit_tokens,
             prefix_cache=self.prefix_cache_stats,
             spec_decode=self.draft_policy.stats if self.draft_policy is not None else None,
+            running_lora_adapters=_by_adapter(self.running) if self.config.enable_lora else {},
+            waiting_lora_adapters=_by_adapter(self.waiting.values()) if self.config.enable_lora else {},
         )
+
+
+def _by_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests by the name of the LoRA adapter they run under (those of the base model left out)."""
+    return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None))

@@ -1,16 +1,24 @@
-"""Prefix-cache hits by prompt length and by caller on /metrics: pagedllm's own families (vLLM has no
-such breakdown), `{prefix}:prefix_cache_{queries,hits}_by_{prompt_length,user}`."""
+"""Prefix-cache hits by prompt length, by caller and by LoRA adapter on /metrics: pagedllm's own
+families (vLLM has no such breakdown), `{prefix}:prefix_cache_{queries,hits}_by_{prompt_length,user,
+adapter}`."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from pagedllm.metrics.stats import MAX_CALLER_NAME_CHARS, MAX_TRACKED_USERS, OTHER_USERS, PrefixCacheStats
+from pagedllm.metrics.stats import (
+    BASE_MODEL,
+    MAX_CALLER_NAME_CHARS,
+    MAX_TRACKED_USERS,
+    OTHER_USERS,
+    PrefixCacheStats,
+)
 
 _BREAKDOWNS = {
     "prompt_length": "prompt-length bucket (tokens)",
     "user": f"caller (`user`, its first {MAX_CALLER_NAME_CHARS} characters; {MAX_TRACKED_USERS} by name, "
     f"later ones as {OTHER_USERS!r})",
+    "adapter": f"LoRA adapter ({BASE_MODEL!r} for requests that name none)",
 }
 
 
@@ -42,6 +50,7 @@ class HitBreakdowns:
         for label, by_value in (
             ("prompt_length", prefix_cache.by_prompt_length),
             ("user", prefix_cache.by_user),
+            ("adapter", prefix_cache.by_adapter),
         ):
             if label not in self._counters:
                 continue

@@ -16,8 +16,9 @@ out the breakdown by caller, whose labels are the callers' `user` strings, unles
 asks for it (caller_labels_on).
 
 The registry also holds prometheus_client's process_* and python_* collectors; metrics/http.py
-adds http_*. vLLM families with no meaning here (speculative decoding, LoRA, KV connectors and
-offloading, multi-modal caches, sleep mode) are left out rather than exported as zeros;
+adds http_*. vLLM families with no meaning here (KV connectors, multi-modal caches, sleep mode)
+are left out rather than exported as zeros, as are those of what is off (speculative decoding,
+LoRA: `lora_requests_info` exists with --enable-lora, as in vLLM);
 tests/metrics/test_metrics_parity.py lists them with reasons.
 """
 
@@ -77,10 +78,12 @@ class PrometheusMetrics:
         cache_config: dict[str, str],
         caller_labels: bool = True,
         num_speculative_tokens: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """caller_labels: export the hit breakdown by caller (`user` strings become label values).
         num_speculative_tokens: speculative decoding is on, with drafts up to this long (its
-        families, vLLM's spec_decode_*, exist only then, as in vLLM)."""
+        families, vLLM's spec_decode_*, exist only then, as in vLLM). max_loras: LoRA is on
+        (--max-loras; vLLM's lora_requests_info exists only then)."""
         self.registry = CollectorRegistry()
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(collector)  # stateless readers of this process: safe to share
@@ -105,6 +108,19 @@ class PrometheusMetrics:
             None if num_speculative_tokens is None else self._add_spec_decode_families(num_speculative_tokens)
         )
         self._last_spec_decode: tuple[int, int, int, list[int]] = (0, 0, 0, [])
+        self._lora_info = (
+            None
+            if max_loras is None
+            else Gauge(  # vLLM's: no model_name label; the labels say which adapters, the value when
+                f"{prefix}:lora_requests_info",
+                "Running stats on LoRA requests: the adapters running and waiting, as labels; the value "
+                "is when they were last seen.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
+        )
+        self._max_loras = str(max_loras)
+        self._last_lora_labels: tuple[str, str, str] | None = None
         self._last_counts = EngineTotals()
         self._last_token_times: dict[str, float] = {}
         """Live requests that have their first token: when their latest token came."""
@@ -271,10 +287,26 @@ class PrometheusMetrics:
             self._hit_breakdowns.record(stats.prefix_cache)
         if stats.spec_decode is not None and self._spec_decode is not None:
             self._record_spec_decode(stats.spec_decode)
+        if self._lora_info is not None:
+            self._record_lora(stats)
         for output in outputs:
             self._record_tokens(output)
             if output.finished:
                 self._record_finished(output)
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
+        """One series, the adapters of the latest step as its labels (vLLM starts a series per
+        combination and keeps them all; the one before is removed here, so the count stays one)."""
+        assert self._lora_info is not None
+        labels = (
+            self._max_loras,
+            ",".join(sorted(stats.waiting_lora_adapters)),
+            ",".join(sorted(stats.running_lora_adapters)),
+        )
+        if self._last_lora_labels not in (None, labels):
+            self._lora_info.remove(*self._last_lora_labels)
+        self._lora_info.labels(*labels).set_to_current_time()
+        self._last_lora_labels = labels
 
     def _record_tokens(self, output: RequestOutput) -> None:
         token_time = output.metrics.last_token_time

@@ -15,6 +15,8 @@ long-running server's memory and its /metrics label set stay bounded."""
 MAX_CALLER_NAME_CHARS = 64
 """A caller is counted under the first this many characters of its name (a bounded label)."""
 NO_USER = "(none)"
+BASE_MODEL = "(base model)"
+"""The adapter row of requests that name none."""
 OTHER_USERS = "(other)"
 
 
@@ -66,8 +68,8 @@ class HitCounts:
 @dataclass
 class PrefixCacheStats(HitCounts):
     """Prefix-cache accounting, in tokens, counted once per request at first admission,
-    overall, by caller (the request's `user`, at most MAX_TRACKED_USERS names) and by
-    prompt-length bucket; /metrics exports all three.
+    overall, by caller (the request's `user`, at most MAX_TRACKED_USERS names), by LoRA
+    adapter (BASE_MODEL for none) and by prompt-length bucket; /metrics exports them all.
 
     `hits / queries` is the hit rate users read. A preempted request that finds its own
     blocks again on resume is not a hit: those tokens go to `preempted_recompute_saved`,
@@ -77,13 +79,18 @@ class PrefixCacheStats(HitCounts):
     preempted_recompute_saved: int = 0
     by_user: dict[str, HitCounts] = field(default_factory=dict)
     by_prompt_length: dict[str, HitCounts] = field(default_factory=dict)
+    by_adapter: dict[str, HitCounts] = field(default_factory=dict)
 
-    def record(self, user: str | None, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+    def record(
+        self, user: str | None, num_prompt_tokens: int, num_hit_tokens: int, adapter: str | None = None
+    ) -> None:
+        """`adapter`: the LoRA adapter's name (None: the base model)."""
         self.add(num_prompt_tokens, num_hit_tokens)
-        caller = (user or NO_USER)[:MAX_CALLER_NAME_CHARS]
-        if caller not in self.by_user and len(self.by_user) >= MAX_TRACKED_USERS:
-            caller = OTHER_USERS
-        self.by_user.setdefault(caller, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
+        for groups, name in ((self.by_user, user or NO_USER), (self.by_adapter, adapter or BASE_MODEL)):
+            name = name[:MAX_CALLER_NAME_CHARS]
+            if name not in groups and len(groups) >= MAX_TRACKED_USERS:
+                name = OTHER_USERS
+            groups.setdefault(name, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
         bucket = prompt_length_bucket(num_prompt_tokens)
         self.by_prompt_length.setdefault(bucket, HitCounts()).add(num_prompt_tokens, num_hit_tokens)
 
@@ -96,6 +103,7 @@ class PrefixCacheStats(HitCounts):
             "preempted_recompute_saved": self.preempted_recompute_saved,
             "by_prompt_length": {b: c.to_dict() for b, c in sorted(self.by_prompt_length.items())},
             "by_user": {user: c.to_dict() for user, c in callers},
+            "by_adapter": {name: c.to_dict() for name, c in sorted(self.by_adapter.items())},
         }
 
     @classmethod
@@ -105,8 +113,12 @@ class PrefixCacheStats(HitCounts):
         for snapshot in snapshots:
             total.merge(HitCounts.from_dict(snapshot))
             total.preempted_recompute_saved += snapshot["preempted_recompute_saved"]
-            for groups, name in ((total.by_user, "by_user"), (total.by_prompt_length, "by_prompt_length")):
-                for key, counts in snapshot[name].items():
+            for groups, name in (
+                (total.by_user, "by_user"),
+                (total.by_prompt_length, "by_prompt_length"),
+                (total.by_adapter, "by_adapter"),
+            ):
+                for key, counts in snapshot.get(name, {}).items():
                     groups.setdefault(key, HitCounts()).merge(HitCounts.from_dict(counts))
         return total
 
@@ -189,6 +201,9 @@ class SchedulerStats:
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec_decode: SpecDecodeStats | None = None
     """None without --speculative-config."""
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    """With --enable-lora: running requests by adapter name (vLLM's lora_requests_info labels)."""
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class EngineTotals(NamedTuple):

@@ -38,12 +38,13 @@ from pagedllm.config import engine_config_from_args
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
 from pagedllm.entrypoints.openai.app import build_app
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.server_config import (
     check_server_args,
     make_arg_parser,
     server_config_from_args,
 )
-from pagedllm.entrypoints.openai.serving_models import ServedModels
+from pagedllm.entrypoints.openai.serving_models import ServedModels, parse_lora_modules
 from pagedllm.logger import configure_logging
 from pagedllm.metrics.live_stats import LiveStats
 from pagedllm.metrics.prometheus import PrometheusMetrics, caller_labels_on
@@ -215,7 +216,14 @@ def run_server(args: argparse.Namespace) -> None:
         server_config.served_model_name or [engine.facts.model_name],
         root=config.model or engine.facts.model_name,
         max_model_len=engine.facts.max_model_len,
+        lora_checker=engine.input_processor.lora_checker,
     )
+    try:
+        for module in parse_lora_modules(server_config.lora_modules):
+            models.add_adapter(models.check_adapter(module))
+    except (ValueError, APIError) as error:
+        engine.core.shutdown()  # ranks 1.. must not wait for a step that never comes
+        raise SystemExit(f"error: --lora-modules: {error}") from None
     spec = engine.config.speculation
     metrics = PrometheusMetrics(
         models.names[0],
@@ -229,6 +237,7 @@ def run_server(args: argparse.Namespace) -> None:
         },
         caller_labels=caller_labels_on(server_config.metrics_caller_label, server_config.api_key),
         num_speculative_tokens=None if spec is None else spec.num_speculative_tokens,
+        max_loras=engine.config.max_loras if engine.config.enable_lora else None,
     )
     live_stats = LiveStats(models.names[0], engine.facts.num_kv_blocks, engine.config.block_size)
 

@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
-from pagedllm.entrypoints.openai import routes_stats, routes_tokenize, routes_v1
+from pagedllm.entrypoints.openai import routes_lora, routes_stats, routes_tokenize, routes_v1
 from pagedllm.entrypoints.openai.errors import install_error_handlers
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -72,6 +72,8 @@ def build_app(
     tokenization = ServingTokenization(models, tokenizer, chat, engine.facts.vocab_size)
     v1 = routes_v1.make_router(models, completions, chat, embeddings, scores, metrics, server.serves)
     app.include_router(v1)
+    if models.lora_checker is not None and server.allow_runtime_lora_updating:
+        app.include_router(routes_lora.make_router(models))
     app.include_router(routes_tokenize.make_router(tokenization))
     app.include_router(
         routes_stats.make_router(engine, metrics, live_stats, divergence_text=server.divergence_text)

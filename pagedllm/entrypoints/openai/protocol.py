@@ -512,3 +512,17 @@ class ScoreResponse(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

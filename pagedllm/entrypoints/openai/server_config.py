@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from pagedllm.flags import flag, flag_shape
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the same routes
 
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 Runner = Literal["auto", "generate", "pooling"]
@@ -147,6 +148,21 @@ class ServerConfig:
         metadata=_flag(
             "vLLM's older name for --runner: generate = --runner generate; embed or score = --runner "
             "pooling. (default: none)"
+        ),
+    )
+    lora_modules: list[str] | None = field(
+        default=None,
+        metadata=_flag(
+            "LoRA adapters served from the start (with --enable-lora), each name=path (a PEFT folder or "
+            'a GGUF LoRA file) or vLLM\'s JSON {"name": ..., "path": ..., "base_model_name": ...}; a '
+            "request names one in `model`. (default: none)"
+        ),
+    )
+    allow_runtime_lora_updating: bool = field(
+        default_factory=lambda: os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+        metadata=_flag(
+            "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora): any "
+            f"client may then make the server read a path it names. (default: ${RUNTIME_LORA_ENV}, else off)"
         ),
     )
     uvicorn_log_level: UvicornLogLevel = field(

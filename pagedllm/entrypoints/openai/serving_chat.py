@@ -133,6 +133,7 @@ class ServingChat:
             arrival_time=arrival_time,
             cache_salt=request.cache_salt,
             user=request.user,
+            lora_request=self.models.lora_request(model),
         )
         if request.stream:
             return StreamingResponse(

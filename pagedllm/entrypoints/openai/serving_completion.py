@@ -64,6 +64,7 @@ class ServingCompletion:
             arrival_time=arrival_time,
             cache_salt=request.cache_salt,
             user=request.user,
+            lora_request=self.models.lora_request(model),
         )
         if request.stream:
             return StreamingResponse(

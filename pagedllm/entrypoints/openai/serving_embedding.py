@@ -53,6 +53,7 @@ class ServingEmbedding:
             request_id=f"embd-{uuid.uuid4().hex}",
             arrival_time=arrival_time,
             user=request.user,
+            lora_request=self.models.lora_request(model),
         )
         outputs = await collect_until_disconnected(raw_request, stream)
         if outputs is None:

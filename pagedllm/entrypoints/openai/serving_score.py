@@ -50,9 +50,8 @@ class ServingScore:
         documents = [d if isinstance(d, str) else d.text for d in request.documents]
         if request.top_n is not None and request.top_n < 1:
             raise ValueError("top_n: must be >= 1")
-        scored = await self._scores(
-            [(request.query, d) for d in documents], request.instruction, request.user, raw_request
-        )
+        pairs = [(request.query, d) for d in documents]
+        scored = await self._scores(pairs, request.instruction, request.user, model, raw_request)
         if scored is None:
             return Response(status_code=499)  # the client has gone
         scores, num_tokens = scored
@@ -76,7 +75,7 @@ class ServingScore:
     async def score(self, request: ScoreRequest, raw_request: Request) -> Response:
         model = self.models.resolve(request.model)
         pairs = score_pairs(request.text_1, request.text_2)
-        scored = await self._scores(pairs, request.instruction, request.user, raw_request)
+        scored = await self._scores(pairs, request.instruction, request.user, model, raw_request)
         if scored is None:
             return Response(status_code=499)
         scores, num_tokens = scored
@@ -90,9 +89,15 @@ class ServingScore:
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def _scores(
-        self, pairs: list[tuple[str, str]], instruction: str | None, user: str | None, raw_request: Request
+        self,
+        pairs: list[tuple[str, str]],
+        instruction: str | None,
+        user: str | None,
+        model: str,
+        raw_request: Request,
     ) -> tuple[list[float], int] | None:
-        """Each pair's P("yes"), and the prompt tokens they took; None if the client left."""
+        """Each pair's P("yes") under `model` (the base's name or an adapter's), and the prompt
+        tokens they took; None if the client left."""
         if self.score_tokens is None:
             raise ValueError("model: its vocabulary has no single 'yes' and 'no' tokens to score with")
         if not pairs:
@@ -113,6 +118,7 @@ class ServingScore:
             params,
             request_id=f"score-{uuid.uuid4().hex}",
             user=user,
+            lora_request=self.models.lora_request(model),
         )
         outputs = await collect_until_disconnected(raw_request, stream)
         if outputs is None:
