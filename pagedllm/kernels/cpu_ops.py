@@ -1,6 +1,7 @@
 """The CPU kernels (csrc/: paged attention; residual add + RMSNorm, rotary +
 KV-cache write and SiLU-and-multiply; projections from weights packed for decode steps, bf16/fp32
-or quantized to 4 or 8 bits; greedy sampling's argmax), compiled on first use into one library,
+or quantized to 4 or 8 bits; greedy sampling's argmax; LoRA adapters' shrink and expand),
+compiled on first use into one library,
 registered as torch.ops.pagedllm.* and, for the calls a step makes over and over, bound directly
 as a Python module (csrc/python_bindings.cpp: a call costs about a microsecond less).
 
@@ -48,6 +49,7 @@ _SOURCES = [
         "gguf_pack_cpu.cpp",
         "argmax_cpu.cpp",
         "moe_align_cpu.cpp",
+        "lora_cpu.cpp",
         "python_bindings.cpp",
     )
 ]
@@ -294,6 +296,22 @@ def moe_align(
     [pairs, 1]; where each token's pairs went, ascending). layers/fused_moe.align_pairs is the
     same in PyTorch's ops."""
     return _ops().moe_align(topk_ids, topk_weights, num_experts)
+
+
+def lora_add_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    groups: torch.Tensor,
+    ranks: torch.Tensor,
+    part_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Every adapter group's low-rank product added to `out` in one call (csrc/lora_cpu.cpp):
+    out[rows] += (x[rows] a[slot]ᵀ) b_t[slot] per group (slot, first row, end row) and per part of
+    a fused projection; float32 or bfloat16 throughout. lora/layers.py's PyTorch path computes
+    the same. Returns out."""
+    return _ops().lora_add_(out, x, a, b_t, groups, ranks, part_offsets)
 
 
 def rotary_write_kv(

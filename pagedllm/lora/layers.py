@@ -21,15 +21,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.direct_call import DirectCall
 from pagedllm.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
 
 
 @dataclass
 class LoRAMapping:
-    """This step's groups of rows, shared by every LoRALinear: (slot, first row, end row)."""
+    """This step's groups of rows, shared by every LoRALinear: (slot, first row, end row), and
+    the same as an int64 tensor [groups, 3] for the CPU kernel."""
 
     groups: list[tuple[int, int, int]] = field(default_factory=list)
+    groups_tensor: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))
+
+    def set(self, groups: list[tuple[int, int, int]]) -> None:
+        self.groups = groups
+        self.groups_tensor = torch.tensor(groups, dtype=torch.long).reshape(-1, 3)
 
 
 class LoRALinear(DirectCall, nn.Module):
@@ -50,9 +57,14 @@ class LoRALinear(DirectCall, nn.Module):
         self.max_rank = max_rank
         self.part_offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes) + 1)]
         self.lora_a = torch.zeros(max_loras, len(part_sizes) * max_rank, base.in_features, dtype=dtype)
-        self.lora_b = torch.zeros(max_loras, self.part_offsets[-1], max_rank, dtype=dtype)
+        self.lora_b_t = torch.zeros(max_loras, max_rank, self.part_offsets[-1], dtype=dtype)
+        """B transposed, rank rows: the kernel's expand runs along the outputs."""
         self.ranks = [0] * max_loras
         """The rank each slot computes with here (0: its adapter leaves this projection alone)."""
+        self.ranks_tensor = torch.zeros(max_loras, dtype=torch.long)
+        self.offsets_tensor = torch.tensor(self.part_offsets, dtype=torch.long)
+        self.in_kernel = cpu_ops.serves_layer_ops(base.weight.device, dtype) and dtype != torch.float16
+        """Every group in one call of the CPU kernel (cpu_ops.lora_add_), else a product pair each."""
         self.tp = getattr(base, "tp", None)
         self.row_parallel = isinstance(base, RowParallelLinear)
         self.reduce = self.row_parallel and self.tp is not None and base.reduce_results
@@ -61,7 +73,7 @@ class LoRALinear(DirectCall, nn.Module):
         """Place an adapter's pairs (A [r, in], B [out, r] whole, per part; None for a part it
         leaves alone) in `slot`, this rank's share of each."""
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_b_t[slot].zero_()
         rank = max((a.shape[0] for a, _ in filter(None, parts)), default=0)
         for index, pair in enumerate(parts):
             if pair is None:
@@ -75,28 +87,43 @@ class LoRALinear(DirectCall, nn.Module):
                 b = b[self.tp.rank * size : (self.tp.rank + 1) * size]
             first = index * self.max_rank
             self.lora_a[slot, first : first + a.shape[0]] = a
-            self.lora_b[slot, self.part_offsets[index] : self.part_offsets[index + 1], : b.shape[1]] = b
+            self.lora_b_t[slot, : b.shape[1], self.part_offsets[index] : self.part_offsets[index + 1]] = b.t()
         self.ranks[slot] = rank
+        self.ranks_tensor[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
         self.ranks[slot] = 0
+        self.ranks_tensor[slot] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.base
+        base, mapping = self.base, self.mapping
         out = base.impl(x, base.weight, base.bias)
-        for slot, start, end in self.mapping.groups:
-            rank = self.ranks[slot]
-            if rank:
-                self._add(out[start:end], x[start:end], slot, rank)
+        if not mapping.groups:
+            pass
+        elif self.in_kernel:
+            cpu_ops.lora_add_(
+                out,
+                x.contiguous(),
+                self.lora_a,
+                self.lora_b_t,
+                mapping.groups_tensor,
+                self.ranks_tensor,
+                self.offsets_tensor,
+            )
+        else:
+            for slot, start, end in mapping.groups:
+                rank = self.ranks[slot]
+                if rank:
+                    self._add(out[start:end], x[start:end], slot, rank)
         return self.tp.all_reduce(out) if self.reduce and self.tp is not None else out
 
     def _add(self, out: torch.Tensor, x: torch.Tensor, slot: int, rank: int) -> None:
         shrunk = x @ self.lora_a[slot].t()  # [rows, parts * max_rank]
-        offsets, b = self.part_offsets, self.lora_b[slot]
+        offsets, b_t = self.part_offsets, self.lora_b_t[slot]
         for index in range(len(offsets) - 1):
             first = index * self.max_rank
-            part = b[offsets[index] : offsets[index + 1], :rank]
-            out[:, offsets[index] : offsets[index + 1]].addmm_(shrunk[:, first : first + rank], part.t())
+            part = b_t[:rank, offsets[index] : offsets[index + 1]]
+            out[:, offsets[index] : offsets[index + 1]].addmm_(shrunk[:, first : first + rank], part)
 
 
 def add_lora_layers(

@@ -64,7 +64,7 @@ class LoRASlots:
                 groups[-1] = (slot, groups[-1][1], int(ends[i]))
             else:
                 groups.append((slot, start, int(ends[i])))
-        self.mapping.groups = groups
+        self.mapping.set(groups)
 
     def _write(self, slot: int, adapter: Adapter) -> None:
         for path, layer in self.layers.items():

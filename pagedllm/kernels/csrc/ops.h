@@ -49,6 +49,8 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids,
                                                                                  const at::Tensor& topk_weights,
                                                                                  int64_t num_experts);
+at::Tensor lora_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& groups, const at::Tensor& ranks, const at::Tensor& part_offsets);
 at::Tensor gguf_rows(const at::Tensor& raw, const at::Tensor& ids, const std::string& format, int64_t k);
 
 }  // namespace pagedllm_ops

@@ -18,4 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &pagedllm_ops::argmax_rows, Release());
   m.def("moe_align", &pagedllm_ops::moe_align, Release());
   m.def("gguf_rows", &pagedllm_ops::gguf_rows, Release());
+  m.def("lora_add_", &pagedllm_ops::lora_add_, Release());
 }
