@@ -23,6 +23,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "sampling_params",
         "cpu_features",
         "cache_dir",
+        "host_pages",
         "flags",
         "config",
         "workload",

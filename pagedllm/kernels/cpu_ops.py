@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -302,16 +303,32 @@ def lora_add_(
     out: torch.Tensor,
     x: torch.Tensor,
     a: torch.Tensor,
-    b_t: torch.Tensor,
+    b: torch.Tensor,
     groups: torch.Tensor,
     ranks: torch.Tensor,
     part_offsets: torch.Tensor,
 ) -> torch.Tensor:
     """Every adapter group's low-rank product added to `out` in one call (csrc/lora_cpu.cpp):
-    out[rows] += (x[rows] a[slot]ᵀ) b_t[slot] per group (slot, first row, end row) and per part of
-    a fused projection; float32 or bfloat16 throughout. lora/layers.py's PyTorch path computes
-    the same. Returns out."""
-    return _ops().lora_add_(out, x, a, b_t, groups, ranks, part_offsets)
+    out[rows] += (x[rows] a[slot]ᵀ) Bᵀ per group (slot, first row, end row) and per part of a
+    fused projection, B held as lora_output_blocks lays it out; float32 or bfloat16 throughout.
+    lora/layers.py's PyTorch path computes the same. Returns out."""
+    return _ops().lora_add_(out, x, a, b, groups, ranks, part_offsets)
+
+
+LORA_OUTPUT_BLOCK = 32
+
+
+def lora_output_blocks(b_t: torch.Tensor, part_offsets: list[int]) -> torch.Tensor:
+    """B transposed, [..., R, O], as lora_add_ reads it: each part's outputs (part_offsets) in
+    blocks of LORA_OUTPUT_BLOCK from its own first block, the last padded with zeros, and within
+    a block the rank rows one after another: [..., blocks, R, LORA_OUTPUT_BLOCK]."""
+    blocks = []
+    for first, end in itertools.pairwise(part_offsets):
+        part = b_t[..., first:end]
+        count = -(-(end - first) // LORA_OUTPUT_BLOCK)
+        padded = torch.nn.functional.pad(part, (0, count * LORA_OUTPUT_BLOCK - (end - first)))
+        blocks.append(padded.unflatten(-1, (count, LORA_OUTPUT_BLOCK)).transpose(-3, -2))
+    return torch.cat(blocks, dim=-3).contiguous()
 
 
 def rotary_write_kv(

@@ -28,7 +28,7 @@ class LoRAManager:
         layers = add_lora_layers(model, config.max_loras, config.max_lora_rank, dtype, mapping)
         self.cache = AdapterCache(model_config, config.max_lora_rank, dtype, config.max_cpu_loras)
         self.slots = LoRASlots(layers, config.max_loras, mapping)
-        self.nbytes = sum(layer.lora_a.nbytes + layer.lora_b_t.nbytes for layer in layers.values())
+        self.nbytes = sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in layers.values())
         """The slots' memory, beside the weights."""
 
     def arrange(

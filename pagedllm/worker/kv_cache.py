@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, SCALE_BYTES
+from pagedllm.host_pages import fresh_pages
 from pagedllm.model.config import ModelConfig
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -107,24 +108,10 @@ def allocate_kv_caches(
     row = spec.head_dim + spec.scale_bytes_per_row  # elements: one byte each when quantized
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, row)
     if device.type == "cpu" and hasattr(mmap, "MAP_ANONYMOUS"):
-        storage = _fresh_pages(num_blocks * spec.bytes_per_block).view(dtype).view(shape)
+        storage = fresh_pages(num_blocks * spec.bytes_per_block).view(dtype).view(shape)
     else:
         storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
-
-
-def _fresh_pages(num_bytes: int) -> torch.Tensor:
-    """Zeroed host memory that costs nothing until used: fresh anonymous pages, which the kernel
-    zeroes as each is first touched. Writing zeros over gigabytes instead held up every start
-    (and took the memory of blocks no request may ever reach). Asked for on 2 MiB pages where the
-    kernel gives them (transparent huge pages, `madvise` or `always`): a request's blocks lie
-    anywhere in the cache, and on 4 KiB pages attention's row reads wait on address translation
-    (docs/benchmarks/vs_llama_cpp.md, "The KV cache on 2 MiB pages"). Memory is then taken 2 MiB
-    at a time as blocks are written."""
-    pages = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        pages.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(pages, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_lora_add_is_the_sum_written_out(step, dtype, seed):
         out.clone(),
         x,
         a,
-        b_t,
+        cpu_ops.lora_output_blocks(b_t, offsets),
         torch.tensor(groups, dtype=torch.long).reshape(-1, 3),
         torch.tensor(ranks, dtype=torch.long),
         torch.tensor(offsets, dtype=torch.long),
@@ -68,12 +68,12 @@ def test_lora_add_is_the_sum_written_out(step, dtype, seed):
 
 def test_bad_input_is_refused_by_name():
     out, x = torch.zeros(4, 8), torch.zeros(4, 6)
-    a, b_t = torch.zeros(2, 3, 6), torch.zeros(2, 3, 8)
+    a, b = torch.zeros(2, 3, 6), cpu_ops.lora_output_blocks(torch.zeros(2, 3, 8), [0, 8])
     offsets, ranks = torch.tensor([0, 8]), torch.tensor([3, 3])
 
-    def call(groups, ranks=ranks, offsets=offsets, out=out, b_t=b_t):
+    def call(groups, ranks=ranks, offsets=offsets, out=out, b=b):
         return cpu_ops.lora_add_(
-            out, x, a, b_t, torch.tensor(groups, dtype=torch.long).reshape(-1, 3), ranks, offsets
+            out, x, a, b, torch.tensor(groups, dtype=torch.long).reshape(-1, 3), ranks, offsets
         )
 
     with pytest.raises(RuntimeError, match="outside 2 slots and 4 rows"):
@@ -86,6 +86,8 @@ def test_bad_input_is_refused_by_name():
         call([(0, 0, 1)], offsets=torch.tensor([0, 7]))
     with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
         call([(0, 0, 1)], out=out.bfloat16())
-    with pytest.raises(RuntimeError, match="shapes do not agree"):
-        call([(0, 0, 1)], b_t=torch.zeros(2, 3, 9))
+    with pytest.raises(RuntimeError, match="b has 2 blocks a slot; the parts take 1"):
+        call([(0, 0, 1)], b=torch.zeros(2, 2, 3, 32))
+    with pytest.raises(RuntimeError, match="b must be"):
+        call([(0, 0, 1)], b=torch.zeros(2, 3, 8))
     assert torch.equal(call([]), out)
