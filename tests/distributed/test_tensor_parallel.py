@@ -472,3 +472,30 @@ def test_tp2_embeds_and_scores_as_tp1_in_the_steps_of_generation(tiny_model):
     assert ours.keys() == reference.keys() and len(ours) == 9
     for req_id, theirs in reference.items():
         assert ours[req_id] == (theirs if req_id.startswith("gen") else pytest.approx(theirs, abs=1e-5))
+
+
+def test_tp2_serves_lora_adapters_as_tp1(tiny_model, tmp_path):
+    """Each rank reads the adapters itself and holds its share: B's rows of the column-parallel
+    projections, A's columns of the row-parallel ones (their partial products join the
+    all-reduce the base projection makes); a batch mixing two adapters and the base model."""
+    from pagedllm import LoRARequest
+
+    from ..lora.helpers import random_adapter
+
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(random_adapter(Path(tiny_model), tmp_path / f"a{i}", rank, seed=i)))
+        for i, rank in enumerate((8, 16))
+    ]
+    per_prompt = [adapters[0], adapters[1], None] * 4
+
+    def run(**tp) -> list[list[int]]:
+        llm = LLM(tiny_model, **ENGINE_ARGS, enable_lora=True, max_loras=2, max_lora_rank=16, **tp)
+        try:
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt[: len(PROMPTS)])
+            return [o.outputs[0].token_ids for o in outputs]
+        finally:
+            llm.llm_engine.close()
+
+    reference = run()
+    assert reference != generate(tiny_model).tokens, "the adapters must change the output"
+    assert run(tensor_parallel_size=2) == reference
