@@ -1,9 +1,10 @@
 """LoRARequest: which adapter a request runs under (vLLM's fields), by name, id and where it lives.
 
-`lora_int_id` names the adapter inside the engine (its slot, its share of the prefix cache) and must
-be unique per adapter: two requests naming the same id run the same adapter, whatever their paths.
-The server gives each adapter it loads a fresh id, so an adapter unloaded and loaded again under
-its old name never meets the cache blocks of its former weights.
+`lora_int_id` names the adapter inside the engine (its slot) and must be unique per adapter: two
+requests naming the same id run the same adapter, whatever their paths. The prefix cache keys an
+adapter's blocks by its weights' fingerprint (a hash of its files, set when the front end first
+checks it): an adapter whose files changed, under its old name or id, or in a disk tier written
+before a restart, never meets the blocks of its former weights.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class LoRARequest:
     """A PEFT folder (adapter_config.json + adapter_model.safetensors) or a llama.cpp GGUF LoRA file."""
     base_model_name: str | None = None
     """The model the adapter was trained on, as `GET /v1/models` reports its `parent`."""
+    fingerprint: str | None = None
+    """A hash of the adapter's files (lora/checker.py sets it; callers leave it out)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -35,5 +38,6 @@ class LoRARequest:
 
     @property
     def cache_key(self) -> str:
-        """What keeps this adapter's prefix-cache blocks apart from the base model's and others'."""
-        return f"{self.lora_int_id}:{self.lora_name}"
+        """What keeps this adapter's prefix-cache blocks apart from the base model's and others':
+        its weights' fingerprint, or (not checked yet) its id and name."""
+        return self.fingerprint or f"{self.lora_int_id}:{self.lora_name}"

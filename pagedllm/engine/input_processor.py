@@ -110,7 +110,7 @@ class InputProcessor:
         if lora_request is not None:
             if self.lora_checker is None:
                 raise ValueError("lora_request: this engine serves no adapters (start it with --enable-lora)")
-            self.lora_checker.check(lora_request)
+            lora_request = self.lora_checker.check(lora_request)
         return EngineRequest(
             req_id=req_id,
             prompt_token_ids=prompt_ids,

@@ -8,12 +8,13 @@ worker reads and keeps its own copy (its cache, loading.py), as each tensor-para
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.lora.loading import read_adapter
+from pagedllm.lora.loading import adapter_fingerprint, read_adapter
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model.config import ModelConfig
 
@@ -25,12 +26,13 @@ class LoRAChecker:
         self._known: dict[int, LoRARequest] = {}
         self._lock = threading.Lock()
 
-    def check(self, request: LoRARequest) -> None:
-        """Raises ValueError (LoRAError, FileNotFoundError's message) naming what is wrong."""
+    def check(self, request: LoRARequest) -> LoRARequest:
+        """The request with its adapter's fingerprint (the prefix cache's key for it). Raises
+        ValueError (LoRAError, FileNotFoundError's message) naming what is wrong."""
         with self._lock:
             known = self._known.get(request.lora_int_id)
-        if known == request:
-            return
+        if known is not None and dataclasses.replace(known, fingerprint=request.fingerprint) == request:
+            return known
         if known is not None:
             raise ValueError(
                 f"lora_int_id: {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}); "
@@ -38,10 +40,12 @@ class LoRAChecker:
             )
         try:
             read_adapter(request, self.config, self.max_rank, torch.float32)
+            checked = dataclasses.replace(request, fingerprint=adapter_fingerprint(request.lora_path))
         except FileNotFoundError as error:
             raise ValueError(str(error)) from error
         with self._lock:
-            self._known[request.lora_int_id] = request
+            self._known[request.lora_int_id] = checked
+        return checked
 
     def forget(self, adapter_id: int) -> None:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -10,10 +11,23 @@ import torch
 
 from pagedllm.lora.adapter import Adapter, LoRAError, build_adapter
 from pagedllm.lora.gguf_reader import is_gguf_file, read_gguf_lora
-from pagedllm.lora.peft_reader import is_peft_folder, read_peft
+from pagedllm.lora.peft_reader import CONFIG_FILE, WEIGHTS_FILE, is_peft_folder, read_peft
 from pagedllm.lora.targets import lora_targets
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model.config import ModelConfig
+
+
+def adapter_fingerprint(path: str) -> str:
+    """A hash of the files an adapter is read from (a PEFT folder's config and weights, or the
+    GGUF file), 128 bits of sha256 in hex."""
+    location = Path(path).expanduser()
+    files = [location / CONFIG_FILE, location / WEIGHTS_FILE] if location.is_dir() else [location]
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:32]
 
 
 def read_adapter(request: LoRARequest, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> Adapter:
@@ -71,4 +85,4 @@ class AdapterCache:
             return adapter_id in self._adapters
 
 
-__all__ = ["AdapterCache", "LoRAError", "read_adapter"]
+__all__ = ["AdapterCache", "LoRAError", "adapter_fingerprint", "read_adapter"]

@@ -163,6 +163,13 @@ class Worker:
         if self.config.enable_lora:
             self.lora = LoRAManager(self.model, self.config, self.model_config, self.dtype)
             bind_attributes(self.model)  # the LoRA layers wrap projections bound before
+            logger.info(
+                "LoRA: %d slots of rank up to %d on %d projections take %.2f GiB",
+                self.config.max_loras,
+                self.config.max_lora_rank,
+                len(self.lora.slots.layers),
+                self.lora.nbytes / 1024**3,
+            )
         if self.cpu_threads is not None:  # not before: loading's temporaries would stay resident
             keep_freed_memory()
 

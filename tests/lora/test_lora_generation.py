@@ -127,6 +127,29 @@ def test_the_prefix_cache_keeps_adapters_apart(case):
     assert hits_after(first) > 0 and hits_after(second) > 0 and hits_after(None) > 0
 
 
+def test_the_cache_key_is_the_adapters_files_not_its_name(case, tmp_path):
+    """The same files under another name and id share blocks; other files at the same path (a
+    new version) do not meet the blocks of the old."""
+    import shutil
+
+    base, adapters, llm = case
+    prompt = PROMPTS[2]
+    llm.reset_prefix_cache()
+
+    def hits_after(adapter: LoRARequest) -> int:
+        before = llm.llm_engine.get_stats().prefix_cache.hits
+        run(llm, [prompt], [adapter])
+        return llm.llm_engine.get_stats().prefix_cache.hits - before
+
+    path = tmp_path / "versioned"
+    shutil.copytree(adapters["r8"], path)
+    assert hits_after(LoRARequest("v1", 70, str(path))) == 0
+    assert hits_after(LoRARequest("same-files", 71, str(adapters["r8"]))) > 0
+    shutil.rmtree(path)
+    random_adapter(base, path, 8, seed=99)
+    assert hits_after(LoRARequest("v2", 72, str(path))) == 0, "a new version met the old one's blocks"
+
+
 def test_bad_adapters_are_clear_errors_before_any_step(case, tmp_path):
     base, adapters, llm = case
 

@@ -20,6 +20,8 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 from ..helpers import RemoteServer
 from .helpers import base_model, random_adapter
 
+pytestmark = pytest.mark.slow  # servers of their own
+
 PROMPT = [5, 17, 300, 42, 9, 11] * 6  # 36 tokens: two full blocks
 NEW_TOKENS = 8
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "64MiB"]
@@ -147,7 +149,6 @@ def test_metrics_and_stats_name_the_adapters(server):
     assert by_adapter["alpha"]["requests"] >= 2 and by_adapter["alpha"]["hits"] > 0
 
 
-@pytest.mark.slow  # a server of its own
 def test_the_runtime_routes_need_the_switch(files):
     base, adapters = files
     env = {"PAGEDLLM_API_KEY": "", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ""}
@@ -162,7 +163,6 @@ def test_the_runtime_routes_need_the_switch(files):
         server.stop()
 
 
-@pytest.mark.slow  # two servers that fail to start
 def test_a_bad_adapter_at_start_up_is_a_clear_exit(files, tmp_path):
     base, _ = files
     command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(base), *ENGINE]

@@ -3,8 +3,8 @@
 With --enable-lora a request names an adapter in `model`, as vLLM's clients do; `--lora-modules`
 names the adapters served from the start, and POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter change them at run time (--allow-runtime-lora-updating, or vLLM's
-VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each adapter loaded gets a fresh id: one unloaded and loaded
-again under its name never meets the prefix-cache blocks of its former weights.
+VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each adapter loaded gets a fresh id (its slot in the layers;
+the prefix cache keys it by its files' fingerprint: lora_request.py).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class ServedModels:
         except ValueError as error:
             raise APIError(HTTPStatus.BAD_REQUEST, str(error), param="lora_name") from None
         try:
-            self.lora_checker.check(request)
+            request = self.lora_checker.check(request)
         except ValueError as error:
             status = HTTPStatus.NOT_FOUND if "no such adapter" in str(error) else HTTPStatus.BAD_REQUEST
             raise APIError(
