@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import shutil
 import subprocess
@@ -147,6 +148,12 @@ def vocab_source_gguf() -> Path:
     if not found:
         raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
     return found[0]
+
+
+@functools.cache
+def vocab_source() -> gguf.GGUFReader:
+    """The default model's GGUF, read once (the `gguf` package takes seconds over its vocabulary)."""
+    return gguf.GGUFReader(str(vocab_source_gguf()))
 
 
 def tensor_plan(shape: Shape, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -336,7 +343,7 @@ def write_shape(
         qtype, file_type = Q.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M
     else:
         qtype, file_type = DIRECT_TYPES[type_name]
-    source = gguf.GGUFReader(str(vocab_source_gguf()))
+    source = vocab_source()
     writer = gguf.GGUFWriter(str(out), shape.arch)
     vocab_size = add_metadata(writer, shape, shape_name, int(file_type), context_length, source)
     plan = tensor_plan(shape, vocab_size)

@@ -17,6 +17,8 @@ from .helpers import base_model, peft_greedy, random_adapter
 NEW_TOKENS = 8
 PROMPTS = [[5, 17, 300, 42, 9, 11] * k for k in (1, 4, 9)]  # 6, 24 and 54 tokens: chunked at 16
 LOGPROB_TOLERANCE = 1e-4
+ONE_ARCHITECTURE = pytest.mark.parametrize("case", ["llama"], indirect=True)
+"""For what does not depend on the architecture: the Llama case alone."""
 
 
 def engine(folder, **overrides) -> LLM:
@@ -98,6 +100,7 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(case):
         assert_equal([o for o, (_, n) in zip(ours, mixed, strict=True) if n == name], theirs, str(name))
 
 
+@ONE_ARCHITECTURE
 def test_more_adapters_than_max_loras_wait_their_turn(case):
     base, adapters, _ = case
     llm = engine(base, max_loras=1, max_cpu_loras=2, enable_prefix_caching=False)
@@ -127,6 +130,7 @@ def test_the_prefix_cache_keeps_adapters_apart(case):
     assert hits_after(first) > 0 and hits_after(second) > 0 and hits_after(None) > 0
 
 
+@ONE_ARCHITECTURE
 def test_the_cache_key_is_the_adapters_files_not_its_name(case, tmp_path):
     """The same files under another name and id share blocks; other files at the same path (a
     new version) do not meet the blocks of the old."""
@@ -150,6 +154,7 @@ def test_the_cache_key_is_the_adapters_files_not_its_name(case, tmp_path):
     assert hits_after(LoRARequest("v2", 72, str(path))) == 0, "a new version met the old one's blocks"
 
 
+@ONE_ARCHITECTURE
 def test_bad_adapters_are_clear_errors_before_any_step(case, tmp_path):
     base, adapters, llm = case
 
@@ -181,6 +186,7 @@ def test_bad_adapters_are_clear_errors_before_any_step(case, tmp_path):
     assert run(llm, PROMPTS[:1], [None])[0][0], "the engine serves on"
 
 
+@ONE_ARCHITECTURE
 def test_adapters_need_enable_lora(case):
     base, adapters, _ = case
     llm = engine(base, enable_lora=False)

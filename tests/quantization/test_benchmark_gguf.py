@@ -36,19 +36,27 @@ def test_real_shapes_have_the_released_vocabularies():
     )
 
 
-@pytest.mark.slow  # a tokenizer of 50,000 tokens converted twice: ~20 s
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_q4_k_m_file_in_llama_quantizes_mix_loads_and_runs(tmp_path, tied):
-    shape = dataclasses.replace(TINY, tie_word_embeddings=tied)
-    path = tmp_path / "tiny-Q4_K_M.gguf"
+def written_types(shape: Shape, path: Path) -> dict[str, gguf.GGMLQuantizationType]:
     write_shape(shape, "tiny", "Q4_K_M", path, seed=0, context_length=512)
-    types = {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+    return {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_q4_k_m_is_written_in_llama_quantizes_mix(tmp_path, tied):
+    shape = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    types = written_types(shape, tmp_path / "tiny-Q4_K_M.gguf")
     head = "token_embd.weight" if tied else "output.weight"
     assert types[head] == Q.Q6_K and types["blk.0.attn_q.weight"] == Q.Q4_K
     for layer in range(shape.num_hidden_layers):
         expected = Q.Q6_K if use_more_bits(layer, shape.num_hidden_layers) else Q.Q4_K
         assert types[f"blk.{layer}.attn_v.weight"] == types[f"blk.{layer}.ffn_down.weight"] == expected
     assert ("output.weight" in types) is not tied and (tied or types["token_embd.weight"] == Q.Q4_K)
+
+
+@pytest.mark.slow  # a tokenizer of 50,000 tokens converted: ~10 s
+def test_pagedllm_loads_and_runs_what_is_written(tmp_path):
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    written_types(TINY, path)
     llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes="32MiB", disable_log_stats=True)
     try:
         assert llm.llm_engine.facts.vocab_size == 50000
