@@ -12,6 +12,8 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.async_tokenizer import AsyncTokenizer
+from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.errors import error_json, to_api_error
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, Timings, UsageInfo
 from pagedllm.outputs import Logprob, RequestOutput
@@ -102,6 +104,19 @@ def check_prompt_chars(field: str, num_chars: int, max_tokens: int, max_chars_pe
             f"tokens (a token of this model holds at most {max_chars_per_token} characters), over "
             f"the {max_tokens:,} that fit in max_model_len"
         )
+
+
+async def tokenized_texts(
+    field: str, texts: list[str], tokenizer: AsyncTokenizer, max_model_len: int, *, truncated: bool
+) -> list[PromptType]:
+    """Text prompts as the engine takes them, each with its token ids: tokenized on the
+    tokenizer's thread, after the size bound (check_prompt_chars, naming `field`) unless
+    truncate_prompt_tokens will cut them."""
+    if not truncated:
+        for text in texts:
+            check_prompt_chars(field, len(text), max_model_len, tokenizer.max_chars_per_token)
+    token_ids = await tokenizer.encode(texts)
+    return [{"prompt": text, "prompt_token_ids": ids} for text, ids in zip(texts, token_ids, strict=True)]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -22,7 +22,6 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_common import (
     DeltaTracker,
-    check_prompt_chars,
     choice_usage,
     collect_until_disconnected,
     event_stream,
@@ -30,6 +29,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     sampling_params,
     sse,
     timings,
+    tokenized_texts,
     top_logprobs,
     usage,
 )
@@ -167,15 +167,9 @@ class ServingCompletion:
             return [{"prompt_token_ids": ids} for ids in prompts]
         if not all(prompts):
             raise ValueError("prompt: the prompt is empty")
-        if not truncated:
-            for text in prompts:
-                check_prompt_chars(
-                    "prompt", len(text), self.models.max_model_len, self.tokenizer.max_chars_per_token
-                )
-        token_ids = await self.tokenizer.encode(prompts)
-        return [
-            {"prompt": text, "prompt_token_ids": ids} for text, ids in zip(prompts, token_ids, strict=True)
-        ]
+        return await tokenized_texts(
+            "prompt", prompts, self.tokenizer, self.models.max_model_len, truncated=truncated
+        )
 
 
 def _logprobs(

@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from pagedllm.entrypoints.openai.serving_common import check_prompt_chars, collect_until_disconnected
+from pagedllm.entrypoints.openai.serving_common import collect_until_disconnected, tokenized_texts
 from pagedllm.entrypoints.openai.serving_models import ServedModels
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -90,13 +90,9 @@ class ServingEmbedding:
         if not isinstance(items[0], str):
             return [{"prompt_token_ids": ids} for ids in items]
         texts: list[str] = list(items)  # type: ignore[arg-type]
-        if not truncated:
-            for text in texts:
-                check_prompt_chars(
-                    "input", len(text), self.models.max_model_len, self.tokenizer.max_chars_per_token
-                )
-        token_ids = await self.tokenizer.encode(texts)
-        return [{"prompt": text, "prompt_token_ids": ids} for text, ids in zip(texts, token_ids, strict=True)]
+        return await tokenized_texts(
+            "input", texts, self.tokenizer, self.models.max_model_len, truncated=truncated
+        )
 
 
 def _base64(vector: list[float]) -> str:
