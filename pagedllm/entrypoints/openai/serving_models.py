@@ -3,7 +3,7 @@
 With --enable-lora a request names an adapter in `model`, as vLLM's clients do; `--lora-modules`
 names the adapters served from the start, and POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter change them at run time (--allow-runtime-lora-updating, or vLLM's
-VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each adapter loaded gets a fresh id (its slot in the layers;
+VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each adapter loaded gets a fresh id (by which it takes a slot;
 the prefix cache keys it by its files' fingerprint: lora_request.py).
 """
 
