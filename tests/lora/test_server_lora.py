@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+import threading
 
 import httpx
 import openai
@@ -119,18 +120,37 @@ def test_unknown_adapters_and_bad_loads_get_vllms_errors(server, files):
     assert complete(server, "alpha").choices[0].finish_reason == "length", "the server serves on"
 
 
+def stream(server, model: str, started: threading.Semaphore) -> str:
+    """A streamed completion's text; `started` is released at its first chunk (the request is in
+    the engine then, so an unload after it must not fail it)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    chunks = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, stream=True
+    )
+    text = ""
+    for index, chunk in enumerate(chunks):
+        if index == 0:
+            started.release()
+        text += "".join(choice.text for choice in chunk.choices)
+    return text
+
+
 def test_loading_and_unloading_under_load_fails_no_request(server, files, offline):
     _, adapters = files
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        running = [pool.submit(complete, server, name) for name in ("alpha", "beta") * 4]
+    names = ("alpha", "beta") * 4
+    started = threading.Semaphore(0)
+    with concurrent.futures.ThreadPoolExecutor(len(names) + 3) as pool:
+        running = [pool.submit(stream, server, name, started) for name in names]
+        for _ in names:  # every request in the engine before its adapter goes
+            assert started.acquire(timeout=120), "a streamed request never started"
         loaded = post(
             server, "/v1/load_lora_adapter", {"lora_name": "gamma", "lora_path": str(adapters["gamma"])}
         )
         assert loaded.status_code == 200 and "gamma" in loaded.text
         with_gamma = [pool.submit(complete, server, "gamma") for _ in range(3)]
         assert post(server, "/v1/unload_lora_adapter", {"lora_name": "beta"}).status_code == 200
-        for future, name in zip(running, ("alpha", "beta") * 4, strict=True):
-            assert future.result().choices[0].text == offline[name]
+        for future, name in zip(running, names, strict=True):
+            assert future.result() == offline[name]
         for future in with_gamma:
             assert future.result().choices[0].text == offline["gamma"]
     with pytest.raises(openai.NotFoundError):
