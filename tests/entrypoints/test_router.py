@@ -171,9 +171,9 @@ def routers(replicas):
 
 
 def _hit_rate_shared_prefix(client: openai.OpenAI, tag: str) -> float:
-    """The first 16 prompts of shared_prefix.jsonl, one after another."""
+    """The first 8 prompts of shared_prefix.jsonl, one after another."""
     num_cached = num_prompt = 0
-    for request in load_workload(WORKLOADS / "shared_prefix.jsonl", limit=16):
+    for request in load_workload(WORKLOADS / "shared_prefix.jsonl", limit=8):
         out = client.completions.create(
             model=MODEL, prompt=f"[{tag}] {request.prompt}", max_tokens=4, temperature=0
         )
@@ -183,9 +183,9 @@ def _hit_rate_shared_prefix(client: openai.OpenAI, tag: str) -> float:
 
 
 def _hit_rate_multiturn(client: openai.OpenAI, tag: str) -> float:
-    """4 conversations of multiturn.jsonl, each turn sent with the answers so far appended."""
+    """2 conversations of multiturn.jsonl, each turn sent with the answers so far appended."""
     num_cached = num_prompt = 0
-    for conversation in load_workload(WORKLOADS / "multiturn.jsonl", limit=4):
+    for conversation in load_workload(WORKLOADS / "multiturn.jsonl", limit=2):
         assert isinstance(conversation, Conversation)
         messages = [{"role": "system", "content": f"[{tag}] {conversation.system}"}]
         for turn in conversation.turns:

@@ -186,17 +186,13 @@ def test_the_runtime_routes_need_the_switch(files):
 def test_a_bad_adapter_at_start_up_is_a_clear_exit(files, tmp_path):
     base, _ = files
     command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(base), *ENGINE]
-    bad = subprocess.run(
-        [*command, *LORA, "--lora-modules", f"bad={tmp_path}/nowhere", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert bad.returncode != 0 and "--lora-modules" in bad.stderr and "no such adapter" in bad.stderr
-    off = subprocess.run(
-        [*command, "--lora-modules", f"bad={tmp_path}", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert off.returncode != 0 and "--enable-lora" in off.stderr
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*command, *args, "--port", "0"], capture_output=True, text=True, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start-ups at once
+        bad = pool.submit(run, *LORA, "--lora-modules", f"bad={tmp_path}/nowhere")
+        off = pool.submit(run, "--lora-modules", f"bad={tmp_path}")
+        assert bad.result().returncode != 0 and "--lora-modules" in bad.result().stderr
+        assert "no such adapter" in bad.result().stderr
+        assert off.result().returncode != 0 and "--enable-lora" in off.result().stderr

@@ -1,6 +1,7 @@
 // ops.h's entry points as a Python module (cpu_ops.py calls them), each releasing the GIL while it
 // runs, as torch.ops does: the server's HTTP thread goes on while a step computes.
-#include <torch/extension.h>
+// (torch's pybind11 casters alone: torch/extension.h, the whole C++ frontend, took ~26 s to compile)
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 
