@@ -52,8 +52,25 @@
 #include <immintrin.h>
 #endif
 
+// A loop body marked for llvm-mca, named with four numbers (a tile's kind, rows, panels...): only
+// where benchmarks/loop_model.py compiles to assembly with -DPAGEDLLM_MCA; nothing otherwise.
+// kMcaModel (PAGEDLLM_MCA_MODEL): such a build, whose loops leave out what would branch inside
+// them (the software prefetch: llvm-mca models a straight run of instructions).
+#ifdef PAGEDLLM_MCA
+#define PAGEDLLM_MCA_MODEL true
+#define PAGEDLLM_MCA_BEGIN(name, a, b, c, d) \
+  asm volatile("# LLVM-MCA-BEGIN " name "_%c0_%c1_%c2_%c3" ::"i"(a), "i"(b), "i"(c), "i"(d))
+#define PAGEDLLM_MCA_END(name, a, b, c, d) \
+  asm volatile("# LLVM-MCA-END " name "_%c0_%c1_%c2_%c3" ::"i"(a), "i"(b), "i"(c), "i"(d))
+#else
+#define PAGEDLLM_MCA_MODEL false
+#define PAGEDLLM_MCA_BEGIN(name, a, b, c, d)
+#define PAGEDLLM_MCA_END(name, a, b, c, d)
+#endif
+
 namespace pagedllm_cpu {
 
+constexpr bool kMcaModel = PAGEDLLM_MCA_MODEL;
 constexpr bool kHasAvx2 = PAGEDLLM_CPU_ISA >= 1;
 constexpr bool kHasAvx512 = PAGEDLLM_CPU_ISA >= 2;
 constexpr bool kHasAvx512Bf16 = PAGEDLLM_CPU_ISA >= 3;

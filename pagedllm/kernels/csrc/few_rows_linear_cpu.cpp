@@ -88,6 +88,7 @@ void tile_f32(const TileArgs<float>& a) {
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < P; ++j) acc[m][j] = F32Vec::zero();
   for (int64_t k = 0; k < a.steps; ++k) {
+    PAGEDLLM_MCA_BEGIN("few_rows", 32, lanes, M, P);
     F32Vec w[P];
     for (int j = 0; j < P; ++j) {
       const float* at = panels + j * a.panel_stride + k * lanes;
@@ -98,6 +99,7 @@ void tile_f32(const TileArgs<float>& a) {
       const F32Vec xb = F32Vec::broadcast(x[m * a.x_stride + k]);
       for (int j = 0; j < P; ++j) acc[m][j] = F32Vec::fma(xb, w[j], acc[m][j]);
     }
+    PAGEDLLM_MCA_END("few_rows", 32, lanes, M, P);
   }
   for (int j = 0; j < P; ++j) {
     const F32Vec b = a.bias == nullptr ? F32Vec::zero() : F32Vec::load(a.bias + j * lanes);
@@ -114,6 +116,7 @@ void tile_bf16(const TileArgs<c10::BFloat16>& a) {
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < P; ++j) acc[m][j] = FloatVec16::zero();
   for (int64_t p = 0; p < a.steps; ++p) {
+    PAGEDLLM_MCA_BEGIN("few_rows", 16, 16, M, P);
     Pairs w[P];
     for (int j = 0; j < P; ++j) {
       const int32_t* at = panels + j * a.panel_stride + p * 16;
@@ -126,6 +129,7 @@ void tile_bf16(const TileArgs<c10::BFloat16>& a) {
       const Pairs xb = Pairs::broadcast(pair);
       for (int j = 0; j < P; ++j) acc[m][j] = Pairs::dot(acc[m][j], xb, w[j]);
     }
+    PAGEDLLM_MCA_END("few_rows", 16, 16, M, P);
   }
   for (int j = 0; j < P; ++j) {
     const FloatVec16 b = a.bias == nullptr ? FloatVec16::zero() : FloatVec16::load(a.bias + j * 16);

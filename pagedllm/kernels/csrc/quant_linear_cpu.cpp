@@ -297,6 +297,7 @@ void tile(const TileArgs& a) {
   }
   FVec acc[M][V];
   Quads sums[M][V];
+  [[maybe_unused]] constexpr int kMcaKind = PerToken ? 2 : HasMins ? 1 : 0;  // llvm-mca's name: no mins, mins, per token
   for (int m = 0; m < M; ++m) {
     for (int64_t v = 0; v < V; ++v) {
       float* carried = a.sums + m * kGroupCols + v * L;
@@ -305,6 +306,7 @@ void tile(const TileArgs& a) {
     }
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
+    PAGEDLLM_MCA_BEGIN("quant_linear", Bits, kMcaKind, M, P);
     if constexpr (!PerToken) {
       for (int m = 0; m < M; ++m) {
         const Quads start = Quads::broadcast(a.starts[b * M + m]);
@@ -326,8 +328,12 @@ void tile(const TileArgs& a) {
       Quads loaded[V];
       for (int64_t v = 0; v < V; ++v) {
         const uint8_t* at = w[v] + b * a.block_stride + g * kStepBytes;
-        if (a.next_run != 0) __builtin_prefetch(at + a.next_run, 0, 2);
-        else if (a.stream_ahead != 0) __builtin_prefetch(at + a.stream_ahead, 0, 3);
+        if (pagedllm_cpu::kMcaModel) {
+        } else if (a.next_run != 0) {
+          __builtin_prefetch(at + a.next_run, 0, 2);
+        } else if (a.stream_ahead != 0) {
+          __builtin_prefetch(at + a.stream_ahead, 0, 3);
+        }
         loaded[v] = Quads::load(at);
       }
       if constexpr (Bits == 8) {
@@ -340,7 +346,10 @@ void tile(const TileArgs& a) {
         step(nibbles, 16 + 4 * g);
       }
     }
-    if constexpr (PerToken) continue;
+    if constexpr (PerToken) {
+      PAGEDLLM_MCA_END("quant_linear", Bits, kMcaKind, M, P);
+      continue;
+    }
     if constexpr (Bits == 4) {
       for (int m = 0; m < M; ++m) {
         const Quads start = Quads::broadcast(a.starts[b * M + m]);
@@ -361,6 +370,7 @@ void tile(const TileArgs& a) {
         for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(mins[v], dx_sum, acc[m][v]);
       }
     }
+    PAGEDLLM_MCA_END("quant_linear", Bits, kMcaKind, M, P);
   }
   if (!a.finishes) {
     for (int m = 0; m < M; ++m) {
