@@ -76,9 +76,12 @@ def offline(files):
     return texts
 
 
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
 def complete(server, model: str) -> openai.types.Completion:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-    return client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    return client(server).completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -123,8 +126,7 @@ def test_unknown_adapters_and_bad_loads_get_vllms_errors(server, files):
 def stream(server, model: str, started: threading.Semaphore) -> str:
     """A streamed completion's text; `started` is released at its first chunk (the request is in
     the engine then, so an unload after it must not fail it)."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-    chunks = client.completions.create(
+    chunks = client(server).completions.create(
         model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, stream=True
     )
     text = ""

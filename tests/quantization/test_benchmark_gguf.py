@@ -56,7 +56,7 @@ def test_q4_k_m_is_written_in_llama_quantizes_mix(tmp_path, tied):
 @pytest.mark.slow  # a tokenizer of 50,000 tokens converted: ~10 s
 def test_pagedllm_loads_and_runs_what_is_written(tmp_path):
     path = tmp_path / "tiny-Q4_K_M.gguf"
-    written_types(TINY, path)
+    write_shape(TINY, "tiny", "Q4_K_M", path, seed=0, context_length=512)
     llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes="32MiB", disable_log_stats=True)
     try:
         assert llm.llm_engine.facts.vocab_size == 50000

@@ -58,10 +58,10 @@
 // them (the software prefetch: llvm-mca models a straight run of instructions).
 #ifdef PAGEDLLM_MCA
 #define PAGEDLLM_MCA_MODEL true
-#define PAGEDLLM_MCA_BEGIN(name, a, b, c, d) \
-  asm volatile("# LLVM-MCA-BEGIN " name "_%c0_%c1_%c2_%c3" ::"i"(a), "i"(b), "i"(c), "i"(d))
-#define PAGEDLLM_MCA_END(name, a, b, c, d) \
-  asm volatile("# LLVM-MCA-END " name "_%c0_%c1_%c2_%c3" ::"i"(a), "i"(b), "i"(c), "i"(d))
+#define PAGEDLLM_MCA_MARK(what, name, a, b, c, d) \
+  asm volatile("# LLVM-MCA-" what " " name "_%c0_%c1_%c2_%c3" ::"i"(a), "i"(b), "i"(c), "i"(d))
+#define PAGEDLLM_MCA_BEGIN(name, a, b, c, d) PAGEDLLM_MCA_MARK("BEGIN", name, a, b, c, d)
+#define PAGEDLLM_MCA_END(name, a, b, c, d) PAGEDLLM_MCA_MARK("END", name, a, b, c, d)
 #else
 #define PAGEDLLM_MCA_MODEL false
 #define PAGEDLLM_MCA_BEGIN(name, a, b, c, d)

@@ -328,11 +328,9 @@ void tile(const TileArgs& a) {
       Quads loaded[V];
       for (int64_t v = 0; v < V; ++v) {
         const uint8_t* at = w[v] + b * a.block_stride + g * kStepBytes;
-        if (pagedllm_cpu::kMcaModel) {
-        } else if (a.next_run != 0) {
-          __builtin_prefetch(at + a.next_run, 0, 2);
-        } else if (a.stream_ahead != 0) {
-          __builtin_prefetch(at + a.stream_ahead, 0, 3);
+        if constexpr (!pagedllm_cpu::kMcaModel) {
+          if (a.next_run != 0) __builtin_prefetch(at + a.next_run, 0, 2);
+          else if (a.stream_ahead != 0) __builtin_prefetch(at + a.stream_ahead, 0, 3);
         }
         loaded[v] = Quads::load(at);
       }
