@@ -218,6 +218,14 @@ class EngineConfig:
             "per block) to say where prompts stop sharing a prefix; 0 turns it off."
         ),
     )
+    max_num_partial_prefills: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Most requests computing their prompts in one step (vLLM's flag). A new prompt is "
+            "admitted only while fewer are: with 1, prompts that arrive together get their first "
+            "tokens one after another instead of all at the end of one long step. Default: no limit."
+        ),
+    )
     scheduling_policy: SchedulingPolicy = field(
         default="fcfs",
         metadata=_flag("fcfs: arrival order. lpm: prefer waiting requests with the longest cached prefix."),
@@ -299,6 +307,11 @@ class EngineConfig:
             "max_num_batched_tokens",
             f"{self.max_num_batched_tokens} is below max_num_seqs {self.max_num_seqs}; "
             "every running request needs a token per step",
+        )
+        need(
+            self.max_num_partial_prefills is None or self.max_num_partial_prefills >= 1,
+            "max_num_partial_prefills",
+            f"must be >= 1, got {self.max_num_partial_prefills}",
         )
         if self.kv_cache_memory_bytes is not None:
             size = parse_memory_size(self.kv_cache_memory_bytes)

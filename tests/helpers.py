@@ -223,6 +223,7 @@ def make_scheduler(
     policy="fcfs",
     speculative_config=None,
     draft_policy=None,
+    max_num_partial_prefills=None,
 ):
     max_model_len = max_model_len or num_blocks * block_size  # the engine guarantees one request fits
     config = EngineConfig(
@@ -232,6 +233,7 @@ def make_scheduler(
         enable_prefix_caching=caching,
         scheduling_policy=policy,
         speculative_config=speculative_config,
+        max_num_partial_prefills=max_num_partial_prefills,
     )
     manager = KVCacheManager(num_blocks, block_size, caching)
     return Scheduler(config, manager, max_model_len, draft_policy=draft_policy)

@@ -11,7 +11,10 @@ A step:
    never starved by a long prompt. When the pool is short, the newest running request
    is preempted (blocks freed, recomputed later) until the allocation fits.
 2. If nobody was preempted, waiting requests are admitted (arrival order, or longest
-   cached prefix first with `lpm`) while seats, budget and blocks allow. With LoRA, at most
+   cached prefix first with `lpm`) while seats, budget and blocks allow, and (with
+   max_num_partial_prefills) fewer than that many requests compute prompt tokens in the step:
+   prompts that arrive together then finish one after another, each in a short step, rather
+   than all at the end of one long step (time to first token). With LoRA, at most
    max_loras adapters run at once: a request of another adapter waits, and the next one that
    fits is admitted before it (vLLM's rule).
 
@@ -180,7 +183,13 @@ class Scheduler:
             self.draft_policy.record_step_time(num_rows, seconds)
 
     def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        prefill_seats = self._prefill_seats()
+        while (
+            self.waiting
+            and token_budget > 0
+            and prefill_seats > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request, computed_blocks, num_hit_tokens = self._pick_waiting()
             if request is None:
                 break  # every waiting request's adapter waits for a running one's to finish
@@ -191,7 +200,16 @@ class Scheduler:
             self._admit(request, num_hit_tokens, self.kv_cache_manager.take_disk_hits(computed_blocks))
             self._add_to_output(output, request, num_new)
             token_budget -= num_new
+            prefill_seats -= request.num_tokens - num_hit_tokens > 1  # one left: a decode's share
         return token_budget
+
+    def _prefill_seats(self) -> int:
+        """How many more requests may compute prompt tokens this step (max_num_partial_prefills
+        less the running ones still behind by more than a token; unbounded without the flag)."""
+        limit = self.config.max_num_partial_prefills
+        if limit is None:
+            return self.config.max_num_seqs
+        return limit - sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
 
     def _pick_waiting(self):
         """The next request to admit, with its cached prefix blocks (None: none may run now)."""

@@ -37,6 +37,45 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     assert chunks == [15, 15, 10]
 
 
+def test_partial_prefill_limit_gives_prompts_arriving_together_their_first_tokens_in_turn():
+    scheduler = make_scheduler(budget=64, max_num_partial_prefills=1)
+    for name in "abc":
+        scheduler.add_request(make_request(name, 10))
+    firsts = []
+    for _ in range(3):
+        output, outputs = step(scheduler)
+        prefilling = [r for r, n in output.num_scheduled_tokens.items() if n > 1]
+        assert len(prefilling) == 1
+        firsts += [o.req_id for o in outputs if len(scheduler.requests[o.req_id].output_token_ids) == 1]
+    assert firsts == ["a", "b", "c"], "one prompt per step, in arrival order, decodes beside it"
+    assert output.num_scheduled_tokens == {"a": 1, "b": 1, "c": 10}
+
+
+def test_partial_prefill_limit_counts_a_long_prompt_still_being_chunked():
+    scheduler = make_scheduler(budget=16, max_num_partial_prefills=2)
+    for name, length in [("long", 40), ("x", 6), ("y", 6)]:
+        scheduler.add_request(make_request(name, length))
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"long": 16}, "the budget is spent before x is admitted"
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"long": 16}
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"long": 8, "x": 6}, "x is the second prefill: y waits"
+    assert list(scheduler.waiting) == ["y"]
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"long": 1, "x": 1, "y": 6}
+
+
+def test_a_prompt_whose_prefix_is_cached_to_its_last_token_takes_no_prefill_seat():
+    scheduler = make_scheduler(budget=64, caching=True, max_num_partial_prefills=1)
+    scheduler.add_request(make_request("first", 9))
+    step(scheduler)
+    scheduler.add_request(make_request("same", 9))  # 2 full blocks of 4 cached: 1 token to compute
+    scheduler.add_request(make_request("other", 9, first_token=2))
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"first": 1, "same": 1, "other": 9}
+
+
 def test_finished_request_frees_its_blocks_in_the_same_step():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", 5, max_tokens=1))
@@ -103,8 +142,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 6),
         extra_budget=st.integers(0, 24),
         speculative=st.booleans(),
+        partial_prefills=st.none() | st.integers(1, 3),
     )
-    def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, speculative):
+    def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, speculative, partial_prefills):
         # every request must fit the pool alone (the engine checks this against max_model_len)
         self.max_len = num_blocks * block_size
         self.scheduler = make_scheduler(
@@ -115,6 +155,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             caching=False,
             max_model_len=self.max_len,
             speculative_config={"method": "ngram", "num_speculative_tokens": 4} if speculative else None,
+            max_num_partial_prefills=partial_prefills,
         )
         self.counter = 0
         self.finished: set[str] = set()
@@ -155,6 +196,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                     "a running request was skipped without preemption"
                 )
         assert all(n >= 1 for n in output.num_scheduled_tokens.values())
+        limit = self.scheduler.config.max_num_partial_prefills
+        if limit is not None:
+            drafts = output.scheduled_spec_decode_tokens
+            prefills = [r for r, n in output.num_scheduled_tokens.items() if n > 1 and r not in drafts]
+            assert len(prefills) <= limit, "more prompts computed in a step than max_num_partial_prefills"
         self.finished |= {o.req_id for o in outputs if o.finish_reason}
 
     def check_the_runner_batch_agrees(self, output) -> None:

@@ -47,11 +47,16 @@ def test_preemption_under_a_tiny_pool_gives_the_same_outputs(baseline):
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-@pytest.mark.parametrize("budget", [16, 23])
-def test_chunk_sizes_give_the_same_outputs(baseline, budget):
-    chunked = LLM(**TEST_ENGINE_ARGS, max_num_batched_tokens=budget, max_num_seqs=budget)
+@pytest.mark.parametrize("budget, partial_prefills", [(16, None), (23, None), (64, 1)])
+def test_chunk_sizes_give_the_same_outputs(baseline, budget, partial_prefills):
+    chunked = LLM(
+        **TEST_ENGINE_ARGS,
+        max_num_batched_tokens=budget,
+        max_num_seqs=budget,
+        max_num_partial_prefills=partial_prefills,
+    )
     outputs = chunked.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
-    assert_same_or_near_tie(outputs, baseline, f"budget {budget}")
+    assert_same_or_near_tie(outputs, baseline, f"budget {budget}, partial prefills {partial_prefills}")
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
