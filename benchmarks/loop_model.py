@@ -33,6 +33,7 @@ CSRC = Path(__file__).resolve().parents[1] / "pagedllm" / "kernels" / "csrc"
 SOURCES = ["quant_linear_cpu.cpp", "few_rows_linear_cpu.cpp"]
 
 TARGETS = {  # host kind -> (gcc -march, llvm-mca -mcpu)
+    "znver1": ("znver1", "znver1"),  # host D: AVX2 + FMA on 128-bit units, no AVX-512, no VNNI
     "znver3": ("znver3", "znver3"),  # host A: AVX2 + FMA, no AVX-512, no VNNI
     "skylake-avx512": ("skylake-avx512", "skylake-avx512"),  # AVX-512 without VNNI
     "icelake-server": ("icelake-server", "icelake-server"),  # AVX-512 + VNNI, no BF16

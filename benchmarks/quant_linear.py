@@ -1,15 +1,16 @@
-"""The quantized projection kernel (4 and 8 bits) against the bfloat16 few-rows kernel, in one run.
+"""The quantized projection kernel (4 and 8 bits) against the unquantized few-rows kernel, in one run.
 
     .venv/bin/python benchmarks/quant_linear.py
     .venv/bin/python benchmarks/quant_linear.py --rows 1 8 --layers 4 --mins
 
 A Llama-3.2-1B-class layer's projections: qkv (3,072 x 2,048), o (2,048 x 2,048), gate_up
 (16,384 x 2,048) and down (2,048 x 8,192), 16 layers each with its own weights (so a pass streams
-them from memory, as a decode step does): bfloat16 through few_rows_linear, 4-bit as GGUF's Q4_0
+them from memory, as a decode step does): bfloat16 through few_rows_linear (float32 on a host
+without AVX512-BF16, whose build has no bfloat16 kernel: twice the bytes), 4-bit as GGUF's Q4_0
 (mins = -8 * scale: folded, 4.5 bits per weight) and 8-bit as Q8_0 (no mins, 8.5 bits); --mins
 stores free mins instead (Q4_1-like, 5 and 9 bits). For each row count, milliseconds per pass over
 all 64 products (the fastest of passes taken in turn: on a host shared with other work the median
-moves with its load, the fastest much less), each quantized kernel's speed-up over bfloat16, and
+moves with its load, the fastest much less), each quantized kernel's speed-up over that, and
 at one row the packed bytes' effective GB/s beside what the host streams at all (torch.sum over
 1 GiB of float32, fastest of 5, on as many threads).
 """
@@ -62,31 +63,38 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_ops.serves_quant_linear(4, 2048, 2048):
         raise SystemExit("no quantized kernel in this CPU's build")
-    if not cpu_ops.is_built() or not torch.ops.pagedllm.few_rows_linear_available("bfloat16"):
-        raise SystemExit("no bfloat16 few-rows kernel in this CPU's build (it needs AVX512-BF16)")
+    available = torch.ops.pagedllm.few_rows_linear_available
+    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    base = next((dtype for dtype, name in names.items() if available(name)), None)
+    if base is None:
+        raise SystemExit("no few-rows kernel in this CPU's build")
+    base_name = "bf16" if base == torch.bfloat16 else "f32"
     gen = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * args.layers
-    bf16 = [cpu_ops.pack_few_rows((torch.randn(n, k, generator=gen) * 0.02).bfloat16()) for n, k in shapes]
+    unquantized = [
+        cpu_ops.pack_few_rows((torch.randn(n, k, generator=gen) * 0.02).to(base)) for n, k in shapes
+    ]
     quantized = {bits: quantized_layers(bits, args.mins, args.layers, gen) for bits in (4, 8)}
     packed_bytes = {bits: sum(p.numel() for p in packed) for bits, packed in quantized.items()}
     num_weights = sum(n * k for n, k in shapes)
     print(f"host: {describe_host()}; {torch.get_num_threads()} threads; git {git_sha()}")
     print(
-        f"{args.layers} layers, {num_weights / 1e9:.2f} G weights: bfloat16 {num_weights * 2 / 1e9:.2f} GB, "
+        f"{args.layers} layers, {num_weights / 1e9:.2f} G weights: {base_name} "
+        f"{num_weights * base.itemsize / 1e9:.2f} GB, "
         + ", ".join(
             f"{bits}-bit {b / 1e9:.2f} GB ({b * 8 / num_weights:.2f} bits/weight)"
             for bits, b in packed_bytes.items()
         )
     )
-    print("| rows | bf16 ms | 4-bit ms | 4-bit speed-up | 8-bit ms | 8-bit speed-up |")
+    print(f"| rows | {base_name} ms | 4-bit ms | 4-bit speed-up | 8-bit ms | 8-bit speed-up |")
     print("|---|---|---|---|---|---|")
     gbs = {}
     for rows in args.rows:
-        inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in LAYER_SHAPES}
+        inputs = {k: torch.randn(rows, k, generator=gen).to(base) for _, k in LAYER_SHAPES}
         paths = {
-            "bf16": [
+            base_name: [
                 lambda x=inputs[k], w=w: cpu_ops.few_rows_linear(x, w, None)
-                for (_, k), w in zip(shapes, bf16, strict=True)
+                for (_, k), w in zip(shapes, unquantized, strict=True)
             ],
             **{
                 bits: [
@@ -106,9 +114,9 @@ def main() -> None:
         ms = {name: min(t) * 1e3 for name, t in times.items()}
         if rows == 1:
             gbs = {bits: packed_bytes[bits] / ms[bits] / 1e6 for bits in quantized}
-            gbs["bf16"] = num_weights * 2 / ms["bf16"] / 1e6
-        cells = " | ".join(f"{ms[bits]:.2f} | **{ms['bf16'] / ms[bits]:.2f}x**" for bits in quantized)
-        print(f"| {rows} | {ms['bf16']:.2f} | {cells} |")
+            gbs[base_name] = num_weights * base.itemsize / ms[base_name] / 1e6
+        cells = " | ".join(f"{ms[bits]:.2f} | **{ms[base_name] / ms[bits]:.2f}x**" for bits in quantized)
+        print(f"| {rows} | {ms[base_name]:.2f} | {cells} |")
     if gbs:
         print("effective GB/s at 1 row: " + ", ".join(f"{name}: {v:.1f}" for name, v in gbs.items()))
         print(f"the host streams {streaming_gbs():.1f} GB/s (torch.sum over 1 GiB of float32)")

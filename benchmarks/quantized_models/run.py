@@ -13,7 +13,9 @@ write_gguf.py) time the same as real ones of their shapes: the work per token do
 the values. --rounds N measures each cell N times, the servers in turn, a table row per round.
 With --vllm-venv, vLLM's CPU build serves the same shape in bfloat16 with random
 weights (`--load-format dummy`, on the config pagedllm derives from the file) at 8 and 32 in
-flight: the engine a user would batch with instead.
+flight: the engine a user would batch with instead. With --pagedllm-variant "ARGS", pagedllm also
+serves with those flags added (e.g. "--max-num-partial-prefills 1"), in the same rounds, a row of
+its own against the same llama.cpp run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -36,10 +39,11 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 512, 64
 
 
 def server_cmd(name: str, args: argparse.Namespace, gguf: Path, c: int) -> tuple[list[str], dict]:
-    if name == "pagedllm":
+    if name.startswith("pagedllm"):
+        variant = shlex.split(args.pagedllm_variant) if name == "pagedllm-variant" else []
         return [
             PAGEDLLM, "serve", str(gguf), "--served-model-name", MODEL_NAME, "--max-num-seqs", str(c),
-            "--max-model-len", "2048", "--kv-cache-memory-bytes", "2GiB", "--port", str(args.port),
+            "--max-model-len", "2048", "--kv-cache-memory-bytes", "2GiB", "--port", str(args.port), *variant,
         ], dict(os.environ)  # fmt: skip
     if name == "vllm":  # bfloat16, random weights (--load-format dummy) in the file's shape
         from pagedllm.model.gguf_convert import converted_folder
@@ -101,6 +105,10 @@ def main() -> None:
         help="measure each file and number in flight this many times, the servers in turn each "
         "round: a shared host's speed moves from minute to minute; the rounds' spread shows how much",
     )
+    parser.add_argument(
+        "--pagedllm-variant",
+        help='also pagedllm with these flags added (one string, e.g. "--max-num-partial-prefills 1")',
+    )
     parser.add_argument("--port", type=int, default=8150)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--out", type=Path, default=REPO / "results/quantized_models")
@@ -120,6 +128,9 @@ def main() -> None:
     for gguf in args.files:
         for c, round_number in itertools.product(args.concurrency, range(1, args.rounds + 1)):
             ours = measure("pagedllm", args, gguf, c, round_number)
+            variant = None
+            if args.pagedllm_variant:
+                variant = measure("pagedllm-variant", args, gguf, c, round_number)
             theirs = measure("llama.cpp", args, gguf, c, round_number)
             wants_vllm = args.vllm_venv and c in args.vllm_concurrency
             vllm = measure("vllm", args, gguf, c, round_number) if wants_vllm else None
@@ -129,27 +140,33 @@ def main() -> None:
                     "concurrency": c,
                     "round": round_number,
                     "pagedllm": ours,
+                    "pagedllm_variant": variant and {"flags": args.pagedllm_variant, **variant},
                     "llama.cpp": theirs,
                     "vllm": vllm,
                 }
             )
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
-            ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
-            vllm_cells = (
-                f"{vllm['output_tokens_per_s']:.1f} | "
-                f"{ours['output_tokens_per_s'] / vllm['output_tokens_per_s']:.2f}"
-                if vllm
-                else "- | -"
-            )
-            print(
-                f"| {gguf.name} | {c} | {round_number} | {ours['output_tokens_per_s']:.1f} | "
-                f"{theirs['output_tokens_per_s']:.1f} | "
-                f"{ratio:.2f} | {ours['tpot_p50_ms']:.0f} / {theirs['tpot_p50_ms']:.0f} | "
-                f"{ours['ttft_p50_ms']:.0f} / {theirs['ttft_p50_ms']:.0f} | "
-                f"{ours['ready_s']:.1f} / {theirs['ready_s']:.1f} | "
-                f"{ours['peak_rss_gib']:.2f} / {theirs['peak_rss_gib']:.2f} | {vllm_cells} |",
-                flush=True,
-            )
+            label = f"{gguf.name} | {c} | {round_number}"
+            print_row(label, ours, theirs, vllm)
+            if variant is not None:
+                print_row(f"{label} ({args.pagedllm_variant})", variant, theirs, vllm)
+
+
+def print_row(label: str, ours: dict, theirs: dict, vllm: dict | None) -> None:
+    ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+    vllm_cells = (
+        f"{vllm['output_tokens_per_s']:.1f} | {ours['output_tokens_per_s'] / vllm['output_tokens_per_s']:.2f}"
+        if vllm
+        else "- | -"
+    )
+    print(
+        f"| {label} | {ours['output_tokens_per_s']:.1f} | {theirs['output_tokens_per_s']:.1f} | "
+        f"{ratio:.2f} | {ours['tpot_p50_ms']:.0f} / {theirs['tpot_p50_ms']:.0f} | "
+        f"{ours['ttft_p50_ms']:.0f} / {theirs['ttft_p50_ms']:.0f} | "
+        f"{ours['ready_s']:.1f} / {theirs['ready_s']:.1f} | "
+        f"{ours['peak_rss_gib']:.2f} / {theirs['peak_rss_gib']:.2f} | {vllm_cells} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

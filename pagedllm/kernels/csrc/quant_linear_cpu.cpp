@@ -288,6 +288,9 @@ template <typename Quads, typename FVec, int Bits, bool HasMins, bool PerToken, 
 void tile(const TileArgs& a) {
   static_assert(!PerToken || (Bits == 8 && !HasMins), "per-token activations take 8-bit weights without mins");
   constexpr int64_t L = Quads::kLanes, V = P * kPanelCols / L, kStepBytes = kGroupPanels * 64;
+  // Vectors summed at a time: all V, but half where one row's 8 (AVX2, 4 panels) would not fit the
+  // 16 registers beside their accumulators: the block's bytes are still read in one pass, in order.
+  constexpr int64_t H = L == 8 && M == 1 && V == 8 ? 4 : V;
   const uint8_t* w[V];  // vector v's 64-byte-step slices, steps kStepBytes apart
   const c10::Half* params[V];
   for (int64_t v = 0; v < V; ++v) {
@@ -307,67 +310,71 @@ void tile(const TileArgs& a) {
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
     PAGEDLLM_MCA_BEGIN("quant_linear", Bits, kMcaKind, M, P);
-    if constexpr (!PerToken) {
-      for (int m = 0; m < M; ++m) {
-        const Quads start = Quads::broadcast(a.starts[b * M + m]);
-        for (int64_t v = 0; v < V; ++v) sums[m][v] = Bits == 8 ? start : Quads::nibble_start(start);
-      }
-    }
     const int8_t* x = a.quants + b * kBlock * M;
-    auto step = [&](const Quads* weights, int64_t k) {  // k: the step's first input in the block
+    auto sum_vectors = [&](auto first) {  // vectors c .. c + H: the block's sums, then their scaling
+      constexpr int64_t c = decltype(first)::value;
+      if constexpr (!PerToken) {
+        for (int m = 0; m < M; ++m) {
+          const Quads start = Quads::broadcast(a.starts[b * M + m]);
+          for (int64_t v = c; v < c + H; ++v) sums[m][v] = Bits == 8 ? start : Quads::nibble_start(start);
+        }
+      }
+      auto step = [&](const Quads* weights, int64_t k) {  // k: the step's first input in the block
+        for (int m = 0; m < M; ++m) {
+          const Quads xq = Quads::broadcast_quad(x + k * M + 4 * m);
+          for (int64_t v = 0; v < H; ++v) {
+            sums[m][c + v] = Bits == 8 ? Quads::dot_q8(sums[m][c + v], weights[v], xq)
+                                       : Quads::dot_nibbles(sums[m][c + v], weights[v], xq);
+          }
+        }
+      };
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < Bits; ++g) {  // 8-bit: 8 steps; 4-bit: 4 loads, 2 steps each
+        Quads loaded[H];
+        for (int64_t v = 0; v < H; ++v) {
+          const uint8_t* at = w[c + v] + b * a.block_stride + g * kStepBytes;
+          if constexpr (!pagedllm_cpu::kMcaModel) {
+            if (a.next_run != 0) __builtin_prefetch(at + a.next_run, 0, 2);
+            else if (a.stream_ahead != 0) __builtin_prefetch(at + a.stream_ahead, 0, 3);
+          }
+          loaded[v] = Quads::load(at);
+        }
+        if constexpr (Bits == 8) {
+          step(loaded, 4 * g);
+        } else {
+          Quads nibbles[H];
+          for (int64_t v = 0; v < H; ++v) nibbles[v] = loaded[v].low_nibbles();
+          step(nibbles, 4 * g);
+          for (int64_t v = 0; v < H; ++v) nibbles[v] = loaded[v].high_nibbles();
+          step(nibbles, 16 + 4 * g);
+        }
+      }
+      if constexpr (PerToken) return;
+      if constexpr (Bits == 4) {
+        for (int m = 0; m < M; ++m) {
+          const Quads start = Quads::broadcast(a.starts[b * M + m]);
+          for (int64_t v = c; v < c + H; ++v) sums[m][v] = Quads::nibble_sums(sums[m][v], start);
+        }
+      }
+      FVec scales[H];
+      for (int64_t v = 0; v < H; ++v) scales[v] = FVec::load(params[c + v] + b * a.block_stride / 2);
       for (int m = 0; m < M; ++m) {
-        const Quads xq = Quads::broadcast_quad(x + k * M + 4 * m);
-        for (int64_t v = 0; v < V; ++v) {
-          sums[m][v] = Bits == 8 ? Quads::dot_q8(sums[m][v], weights[v], xq)
-                                 : Quads::dot_nibbles(sums[m][v], weights[v], xq);
+        const FVec dx = FVec::broadcast(a.dx[b * M + m]);
+        for (int64_t v = 0; v < H; ++v) {
+          acc[m][c + v] = FVec::fma(sums[m][c + v].to_float(), FVec::mul(scales[v], dx), acc[m][c + v]);
+        }
+      }
+      if constexpr (HasMins) {
+        FVec mins[H];
+        for (int64_t v = 0; v < H; ++v) mins[v] = FVec::load(params[c + v] + b * a.block_stride / 2 + kGroupCols);
+        for (int m = 0; m < M; ++m) {
+          const FVec dx_sum = FVec::broadcast(a.dx_sums[b * M + m]);
+          for (int64_t v = 0; v < H; ++v) acc[m][c + v] = FVec::fma(mins[v], dx_sum, acc[m][c + v]);
         }
       }
     };
-#pragma GCC unroll 8
-    for (int64_t g = 0; g < Bits; ++g) {  // 8-bit: 8 steps; 4-bit: 4 loads, 2 steps each
-      Quads loaded[V];
-      for (int64_t v = 0; v < V; ++v) {
-        const uint8_t* at = w[v] + b * a.block_stride + g * kStepBytes;
-        if constexpr (!pagedllm_cpu::kMcaModel) {
-          if (a.next_run != 0) __builtin_prefetch(at + a.next_run, 0, 2);
-          else if (a.stream_ahead != 0) __builtin_prefetch(at + a.stream_ahead, 0, 3);
-        }
-        loaded[v] = Quads::load(at);
-      }
-      if constexpr (Bits == 8) {
-        step(loaded, 4 * g);
-      } else {
-        Quads nibbles[V];
-        for (int64_t v = 0; v < V; ++v) nibbles[v] = loaded[v].low_nibbles();
-        step(nibbles, 4 * g);
-        for (int64_t v = 0; v < V; ++v) nibbles[v] = loaded[v].high_nibbles();
-        step(nibbles, 16 + 4 * g);
-      }
-    }
-    if constexpr (PerToken) {
-      PAGEDLLM_MCA_END("quant_linear", Bits, kMcaKind, M, P);
-      continue;
-    }
-    if constexpr (Bits == 4) {
-      for (int m = 0; m < M; ++m) {
-        const Quads start = Quads::broadcast(a.starts[b * M + m]);
-        for (int64_t v = 0; v < V; ++v) sums[m][v] = Quads::nibble_sums(sums[m][v], start);
-      }
-    }
-    FVec scales[V];
-    for (int64_t v = 0; v < V; ++v) scales[v] = FVec::load(params[v] + b * a.block_stride / 2);
-    for (int m = 0; m < M; ++m) {
-      const FVec dx = FVec::broadcast(a.dx[b * M + m]);
-      for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(sums[m][v].to_float(), FVec::mul(scales[v], dx), acc[m][v]);
-    }
-    if constexpr (HasMins) {
-      FVec mins[V];
-      for (int64_t v = 0; v < V; ++v) mins[v] = FVec::load(params[v] + b * a.block_stride / 2 + kGroupCols);
-      for (int m = 0; m < M; ++m) {
-        const FVec dx_sum = FVec::broadcast(a.dx_sums[b * M + m]);
-        for (int64_t v = 0; v < V; ++v) acc[m][v] = FVec::fma(mins[v], dx_sum, acc[m][v]);
-      }
-    }
+    sum_vectors(std::integral_constant<int64_t, 0>{});
+    if constexpr (H < V) sum_vectors(std::integral_constant<int64_t, H>{});
     PAGEDLLM_MCA_END("quant_linear", Bits, kMcaKind, M, P);
   }
   if (!a.finishes) {
@@ -395,14 +402,15 @@ void tile(const TileArgs& a) {
 
 // The tiles' shapes, rows x panels (P divides a group's 4): up to kFewRows rows (a decode step)
 // kFewTileRows x kWide, more kTileRows x kNarrow. The integer and float sums (2 M V registers)
-// and a step's weights must fit in the registers: 32 with AVX-512, 16 with AVX2. Measured on
-// Zen 5 (AVX-512): a decode step streams fastest a whole group at a time; from ~16 rows on, the
-// tiles are bound by the vector pipes that take both vpdpbusd and the float work (6 x 2, 4 x 2
-// and 8 x 1 alike).
+// and a step's weights must fit in the registers: 32 with AVX-512, 16 with AVX2 (where a decode
+// tile's 4 panels are summed two at a time: tile's H). A decode step streams fastest a whole group
+// at a time, in order: measured on Zen 5 (AVX-512) and on Zen 1 (AVX2: 1.3-1.6x the speed of two
+// passes over the group, two panels each). From ~16 rows on, the tiles are bound by the vector
+// pipes that take both vpdpbusd and the float work (Zen 5: 6 x 2, 4 x 2 and 8 x 1 alike).
 template <typename Quads, typename FVec, int Bits, bool HasMins, bool PerToken>
 struct Tiles {
   static constexpr bool kWideRegs = Quads::kLanes == 16;
-  static constexpr int64_t kFewRows = kWideRegs ? 8 : 2, kFewTileRows = kWideRegs ? 2 : 1, kWide = kWideRegs ? 4 : 2;
+  static constexpr int64_t kFewRows = kWideRegs ? 8 : 2, kFewTileRows = kWideRegs ? 2 : 1, kWide = 4;
   static constexpr int64_t kTileRows = kWideRegs ? 6 : 2, kNarrow = kWideRegs ? 2 : 1;
   template <int M, int P>
   static void run(const TileArgs& a) {
