@@ -404,9 +404,10 @@ void tile(const TileArgs& a) {
 // kFewTileRows x kWide, more kTileRows x kNarrow. The integer and float sums (2 M V registers)
 // and a step's weights must fit in the registers: 32 with AVX-512, 16 with AVX2 (where a decode
 // tile's 4 panels are summed two at a time: tile's H). A decode step streams fastest a whole group
-// at a time, in order: measured on Zen 5 (AVX-512) and on Zen 1 (AVX2: 1.3-1.6x the speed of two
-// passes over the group, two panels each). From ~16 rows on, the tiles are bound by the vector
-// pipes that take both vpdpbusd and the float work (Zen 5: 6 x 2, 4 x 2 and 8 x 1 alike).
+// at a time, in order (measured on Zen 5 with AVX-512 and on Zen 1 with AVX2, where two passes over
+// a group, two panels each, were the bound: docs/benchmarks/kernels_and_dispatch.md). From ~16
+// rows on, the tiles are bound by the vector pipes that take both vpdpbusd and the float work
+// (Zen 5: 6 x 2, 4 x 2 and 8 x 1 alike).
 template <typename Quads, typename FVec, int Bits, bool HasMins, bool PerToken>
 struct Tiles {
   static constexpr bool kWideRegs = Quads::kLanes == 16;
