@@ -64,11 +64,11 @@ def main() -> None:
     if not cpu_ops.serves_quant_linear(4, 2048, 2048):
         raise SystemExit("no quantized kernel in this CPU's build")
     available = torch.ops.pagedllm.few_rows_linear_available
-    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-    base = next((dtype for dtype, name in names.items() if available(name)), None)
-    if base is None:
+    kernels = {"bf16": ("bfloat16", torch.bfloat16), "f32": ("float32", torch.float32)}  # the first built
+    base_name = next((label for label, (kernel, _) in kernels.items() if available(kernel)), None)
+    if base_name is None:
         raise SystemExit("no few-rows kernel in this CPU's build")
-    base_name = "bf16" if base == torch.bfloat16 else "f32"
+    base = kernels[base_name][1]
     gen = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * args.layers
     unquantized = [
