@@ -34,11 +34,14 @@ way.
 Cache: the timings (not the choices, so a change of rule needs no new timing) per host, in one
 small JSON under the pagedllm cache dir, named from the CPU model and flags, the kernels' build,
 torch's version, the thread count and oneDNN's ISA settings; later starts time nothing. An
-unreadable file is ignored and rewritten; timings that had not settled when their time ran out (a
-busy host) are used but not written, so a quieter start times again. Within one process they are
-kept (UNSETTLED): a second engine there chooses as the first did, so two engines of one process
-compute the same bits (a plain run and a cached, chunked or preempted one, compared token for
-token), however busy the host was while each loaded.
+unreadable file is ignored and rewritten. Timings that had not settled when their time ran out (a
+busy host) are written marked so, and the next start times that shape again and keeps each cell's
+least over the starts (merge_starts); a shape settles when a start betters none of the earlier
+starts' cells, or after TIMED_STARTS starts. Before, unsettled timings were never written: a host
+that never quiets down (a small VM) timed at every start. Within one process the first timings a
+shape was given are kept (PROCESS_TIMINGS): a second engine there chooses as the first did,
+whatever the file says by then, so two engines of one process compute the same bits (a plain run
+and a cached, chunked or preempted one, compared token for token).
 """
 
 from __future__ import annotations
@@ -86,13 +89,14 @@ weights' stream")."""
 STREAM_PASSES = 10
 """Passes over a path's copies for quant_stream_ahead."""
 STREAM_MARGIN = 0.10
-UNSETTLED: dict[tuple[str, str], dict[str, Any]] = {}
-"""(cache file, shape key) -> timings this process took that had not settled: not written to the
-file, but used by this process's later loads instead of timing again."""
 """How much faster the hardware's prefetch alone must time to be chosen. A loop of products on a
 busy host puts the two ways within a few percent of each other, either way round, where a decode
 step ran ~1.3x faster with ours (docs/benchmarks/kernels_and_dispatch.md): a near tie goes to our
 prefetch."""
+TIMED_STARTS = 3
+"""Starts that time a shape whose timings have not settled; the last one's least times are kept."""
+PROCESS_TIMINGS: dict[tuple[str, str], dict[str, Any]] = {}
+"""(cache file, shape key) -> the timings this process's first load of the shape used."""
 
 LinearImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Seconds = dict[str, list[float]]
@@ -283,22 +287,25 @@ class LinearDispatch:
         rows: Sequence[int],
         timer: Timer,
     ) -> Seconds:
-        """Each path's seconds at each row count: from the cache, else timed (and cached if settled)."""
+        """Each path's seconds at each row count: this process's first timings of the shape, else
+        the cache's settled ones, else timed (and cached, settled or not)."""
         rows = list(rows)
-        entry = self._cache()["shapes"].get(key)
-        if not _valid(entry, paths, rows):
-            entry = UNSETTLED.get((str(self._path()), key))
-        if not _valid(entry, paths, rows):
-            self.num_timed += 1
-            seconds, settled = self._time(weight, paths, rows, timer)
-            entry = {"rows": rows, "seconds": seconds}
-            logger.debug("Linear dispatch timed %s (settled: %s): %s", key, settled, entry)
-            self._cache()["shapes"][key] = entry  # this load's other weights of the shape
-            if settled:
-                self._store(key, entry)
+        memo = (str(self._path()), key)
+        entry: dict[str, Any] | None = PROCESS_TIMINGS.get(memo)
+        if entry is None or not _valid(entry, paths, rows):
+            stored = self._cache()["shapes"].get(key)
+            stored = stored if _valid(stored, paths, rows) else None
+            if stored is not None and stored.get("settled") is not False:
+                entry = stored
             else:
-                self.num_unsettled += 1
-                UNSETTLED[(str(self._path()), key)] = entry
+                self.num_timed += 1
+                seconds, settled = self._time(weight, paths, rows, timer)
+                entry = merge_starts(stored, rows, seconds, settled)
+                logger.debug("Linear dispatch timed %s: %s", key, entry)
+                self.num_unsettled += not entry["settled"]
+                self._store(key, entry)
+            PROCESS_TIMINGS[memo] = entry
+        self._cache()["shapes"][key] = entry  # this load's other weights of the shape
         return {name: entry["seconds"][name] for name in paths}
 
     def _time(
@@ -337,7 +344,10 @@ class LinearDispatch:
         elif self.num_timed:
             source = f"timed {self.num_timed} shapes in {self.seconds_timing:.1f} s, cached at {self._path()}"
             if self.num_unsettled:
-                source += f" but for {self.num_unsettled} whose timings had not settled (a busy host?)"
+                source += (
+                    f"; {self.num_unsettled} had not settled (a busy host?): timed again at the next"
+                    f" start, for at most {TIMED_STARTS} starts"
+                )
         else:
             source = f"read from {self._path()}" if self._cached is not None else "nothing to time"
         groups = [
@@ -367,6 +377,35 @@ def _quant_stream_path(stream_ahead: int) -> LinearPath:
         return cpu_ops.quant_linear(x, packed, 4, n, k, bias, stream_ahead)
 
     return LinearPath(pack, run)
+
+
+def merge_starts(
+    previous: dict[str, Any] | None, rows: list[int], seconds: Seconds, settled: bool
+) -> dict[str, Any]:
+    """A shape's cache entry after this start's timing: each cell's least over the starts that
+    timed it (`previous`: the earlier starts' unsettled entry). Settled when this start's rounds
+    settled, when they bettered no earlier cell by more than SETTLED, or at the TIMED_STARTS-th
+    start."""
+    if previous is None:
+        return {"rows": rows, "seconds": seconds, "settled": settled, "starts": 1}
+    starts = previous.get("starts")
+    starts = (starts if isinstance(starts, int) and starts >= 1 else 1) + 1
+    earlier = previous["seconds"]
+    bettered = any(
+        now < before * (1 - SETTLED)
+        for name, times in seconds.items()
+        for now, before in zip(times, earlier[name], strict=True)
+    )
+    least = {
+        name: [min(pair) for pair in zip(times, earlier[name], strict=True)]
+        for name, times in seconds.items()
+    }
+    return {
+        "rows": rows,
+        "seconds": least,
+        "settled": settled or not bettered or starts >= TIMED_STARTS,
+        "starts": starts,
+    }
 
 
 def _valid(entry: object, paths: Mapping[str, LinearPath], rows: Sequence[int]) -> bool:

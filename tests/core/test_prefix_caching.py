@@ -153,7 +153,7 @@ def test_shared_prefix_outputs_equal_caching_off(fresh, uncached):
 @pytest.mark.slow  # four turns, twice
 def test_four_turn_conversation_equals_caching_off(fresh, uncached):
     questions = ["What is a KV cache?", "Why use blocks?", "What happens when blocks run out?", "Summarize."]
-    params = SamplingParams(temperature=0.0, max_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
 
     def converse(llm):
         messages, answers, hits = [{"role": "system", "content": "Answer briefly."}], [], []

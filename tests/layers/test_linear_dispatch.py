@@ -89,7 +89,7 @@ def test_costly_products_are_not_timed():
     assert max(timed_rows(49152, 576)) == 128  # a vocabulary-sized head stops where a step's rows do
 
 
-def test_the_timings_are_cached_on_disk_and_reused(tmp_path):
+def test_the_timings_are_cached_on_disk_and_reused(tmp_path, monkeypatch):
     weight = torch.zeros(48, 64)
     _both_paths(weight)
     cache = tmp_path / "dispatch.json"
@@ -100,6 +100,7 @@ def test_the_timings_are_cached_on_disk_and_reused(tmp_path):
     entry = json.loads(cache.read_text())["shapes"]["float32 48x64"]
     assert entry["rows"] == list(ROW_COUNTS) and set(entry["seconds"]) == {"few_rows", "onednn"}
     assert timer.calls == 1
+    monkeypatch.setattr(linear_dispatch, "PROCESS_TIMINGS", {})  # a new process
     later = LinearDispatch(cache_path=cache, timer=timer)
     assert later.choose(weight, cpu_paths(weight)) == chosen
     assert timer.calls == 1 and later.num_timed == 0
@@ -146,7 +147,7 @@ def test_the_quantized_stream_timing_runs_on_weights_beyond_the_cache(monkeypatc
     assert dispatch.quant_stream_ahead() in QUANT_STREAMS.values()
 
 
-def test_a_corrupt_cache_is_ignored_and_rewritten(tmp_path, caplog):
+def test_a_corrupt_cache_is_ignored_and_rewritten(tmp_path, caplog, monkeypatch):
     weight = torch.zeros(48, 64)
     _both_paths(weight)
     cache = tmp_path / "dispatch.json"
@@ -158,24 +159,59 @@ def test_a_corrupt_cache_is_ignored_and_rewritten(tmp_path, caplog):
     assert "ignoring the unreadable cache" in caplog.text
     assert "float32 48x64" in json.loads(cache.read_text())["shapes"]
     cache.write_text(json.dumps({"shapes": {"float32 48x64": {"rows": list(ROW_COUNTS), "seconds": "x"}}}))
+    monkeypatch.setattr(linear_dispatch, "PROCESS_TIMINGS", {})  # a new process reads the file
     assert LinearDispatch(cache_path=cache, timer=timer).choose(weight, cpu_paths(weight)) == chosen
+    assert timer.calls == 2
 
 
-def test_timings_that_had_not_settled_are_kept_for_this_process_only(tmp_path, monkeypatch):
+def test_unsettled_timings_are_timed_again_at_later_starts_keeping_each_cells_least(tmp_path, monkeypatch):
+    """A busy start writes its timings marked unsettled; each later start (a new process) times the
+    shape again and keeps each cell's least, until a start betters no cell; later loads in one
+    process choose as its first load did, whatever the file says by then."""
     weight = torch.zeros(48, 64)
     _both_paths(weight)
     cache = tmp_path / "dispatch.json"
-    timer = _fake_timer(ONEDNN_WINS_FROM_64)
-    busy = lambda *args: Timing(timer(*args).seconds, False)  # noqa: E731
-    dispatch = LinearDispatch(cache_path=cache, timer=busy)
-    assert dispatch.choose(weight, cpu_paths(weight)) == "few_rows"
-    assert not cache.exists() and "1 whose timings had not settled" in dispatch.summary()
-    calls = timer.calls
-    again = LinearDispatch(cache_path=cache, timer=timer)  # another load in this process
-    assert again.choose(weight, cpu_paths(weight)) == "few_rows" and timer.calls == calls
-    monkeypatch.setattr(linear_dispatch, "UNSETTLED", {})  # a new process
-    LinearDispatch(cache_path=cache, timer=timer).choose(weight, cpu_paths(weight))
-    assert "float32 48x64" in json.loads(cache.read_text())["shapes"]  # a quiet start caches them
+    monkeypatch.setattr(linear_dispatch, "TIMED_STARTS", 10)  # here a shape settles by its timings
+    answers = iter(
+        [
+            {"few_rows": [2.0] * 9, "onednn": [1.0] * 9},  # start 1
+            {"few_rows": [0.5] * 9, "onednn": [1.5] * 9},  # start 2: few_rows bettered
+            {"few_rows": [0.49] * 9, "onednn": [0.99] * 9},  # start 3: nothing bettered by 5%
+        ]
+    )
+    calls = []
+
+    def busy(weight, paths, rows):
+        calls.append(rows)
+        return Timing({name: times[: len(rows)] for name, times in next(answers).items()}, False)
+
+    def start(process: dict) -> tuple[str, LinearDispatch]:
+        monkeypatch.setattr(linear_dispatch, "PROCESS_TIMINGS", process)
+        dispatch = LinearDispatch(cache_path=cache, timer=busy)
+        return dispatch.choose(weight, cpu_paths(weight)), dispatch
+
+    def stored() -> dict:
+        return json.loads(cache.read_text())["shapes"]["float32 48x64"]
+
+    first_process: dict = {}
+    chosen, dispatch = start(first_process)
+    assert chosen == "onednn" and "1 had not settled" in dispatch.summary()
+    assert stored()["settled"] is False and stored()["starts"] == 1
+    assert start({})[0] == "few_rows"  # least of both starts: few_rows 0.5, onednn 1.0
+    assert stored()["settled"] is False and stored()["seconds"]["onednn"][0] == 1.0
+    assert start(first_process)[0] == "onednn" and len(calls) == 2  # this process's first timings
+    assert start({})[0] == "few_rows" and stored()["settled"] is True and stored()["starts"] == 3
+    assert stored()["seconds"]["few_rows"][0] == 0.49
+    assert start({})[0] == "few_rows" and len(calls) == 3  # settled: read, not timed
+
+
+def test_a_shape_that_never_settles_is_timed_at_most_timed_starts_times():
+    rows, entry = [1, 2], None
+    for start in range(1, linear_dispatch.TIMED_STARTS + 1):
+        times = {"few_rows": [1.0 / start] * 2, "onednn": [2.0 / start] * 2}  # each start much faster
+        entry = linear_dispatch.merge_starts(entry, rows, times, settled=False)
+        assert entry["starts"] == start and entry["settled"] == (start == linear_dispatch.TIMED_STARTS)
+    assert entry["seconds"]["few_rows"] == [1.0 / linear_dispatch.TIMED_STARTS] * 2
 
 
 @pytest.mark.parametrize("timings", [ONEDNN_WINS_FROM_64, {"few_rows": [3] * 9, "onednn": [1] * 9}])
