@@ -5,16 +5,16 @@ compiled on first use into one library,
 registered as torch.ops.pagedllm.* and, for the calls a step makes over and over, bound directly
 as a Python module (csrc/python_bindings.cpp: a call costs about a microsecond less).
 
-torch's C++ extension loader builds it with the machine's compiler and ninja, for this very
-CPU (-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions). The library is named after everything that decides its bits: the
-CPU's instruction sets, the sources and headers, the flags, torch and Python. Two checkouts or
-virtualenvs on one machine therefore never overwrite each other's build (each would rebuild at
-every start otherwise), and identical trees share one (compiled from a copy of the sources in
-the build folder, so their own paths do not differ in ninja's commands). A build is announced
-with its time (under a minute: the kernel files compile as two translation units, one per core,
-beside the bindings). `make setup` builds it once, so the first server
-start does not wait.
+torch's C++ extension loader builds it with the machine's compiler and ninja, for this very CPU
+(-march=native; PAGEDLLM_CPU_MARCH names another), into torch's extension cache
+(TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions). The library is named after everything
+that decides its bits: the CPU's instruction sets, the sources and headers, the flags, torch and
+Python. Two checkouts or virtualenvs on one machine therefore never overwrite each other's build
+(each would rebuild at every start otherwise), and identical trees share one (compiled from a copy
+of the sources in the build folder, so their own paths do not differ in ninja's commands). A build
+is announced with its time (under a minute: the kernel files compile as two translation units, one
+per core, beside the bindings). `make setup` builds it once, so the first server start does not
+wait.
 Where it cannot be built (no compiler), attention keeps the PyTorch path (gather + SDPA), with
 a warning.
 """
@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -46,7 +47,10 @@ _SOURCES = [
 ]
 """What is compiled: the kernel files in two translation units of about equal build time (each
 includes its files; one per core), and the bindings."""
-_CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+MARCH_VARIABLE = "PAGEDLLM_CPU_MARCH"
+"""The compiler's -march for the kernels instead of `native`: a CPU kind older than this one that
+it can run (gcc's names: x86-64, x86-64-v3 for AVX2, x86-64-v4 for AVX-512), to build and test
+the kernels as a host of that kind gets them (tests/kernels/test_forced_isa.py)."""
 _LDFLAGS = ["-fopenmp"]
 _CACHE_DTYPES = {
     torch.float32,
@@ -57,6 +61,28 @@ _CACHE_DTYPES = {
     torch.float8_e5m2,
 }
 _QUERY_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
+
+
+def _cflags() -> list[str]:
+    march = os.environ.get(MARCH_VARIABLE, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}", march):
+        raise ValueError(f"{MARCH_VARIABLE}={march!r} is not a compiler CPU name (e.g. x86-64-v3)")
+    return ["-O3", f"-march={march}", "-fno-trapping-math", "-fopenmp"]
+
+
+ISA_LEVELS = ("plain C++ loops", "AVX2 + FMA", "AVX-512", "AVX-512 + BF16")
+"""cpu_types.h's PAGEDLLM_CPU_ISA, 0 to 3, by name."""
+BYTE_PRODUCTS = ("AVX2 byte products", "AVX-VNNI", "AVX512-VNNI")
+"""cpu_types.h's PAGEDLLM_CPU_VNNI, 0 to 2: how the integer kernel multiplies bytes."""
+
+
+def instruction_sets() -> str | None:
+    """What the built kernels use, as cpu_types.h chose it from the compiler's target; None
+    without a build."""
+    if not is_built():
+        return None
+    isa, vnni = torch.ops.pagedllm.instruction_sets()
+    return ISA_LEVELS[isa] + (f", {BYTE_PRODUCTS[vnni]}" if isa else "")
 
 
 @functools.cache
@@ -75,7 +101,7 @@ def build_name() -> str:
     digest = hashlib.sha256()
     features = " ".join(sorted(cpu_flags())) or f"{platform.machine()} {platform.processor()}"
     torch_folder = str(Path(torch.__file__).resolve().parent)
-    for part in (features, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, torch_folder, sys.version):
+    for part in (features, " ".join(_cflags() + _LDFLAGS), torch.__version__, torch_folder, sys.version):
         digest.update(part.encode() + b"\0")
     for file_name, content in _source_bytes().items():
         digest.update(file_name.encode() + b"\0" + content + b"\0")
@@ -155,7 +181,8 @@ def _library() -> ModuleType | None:
         logger.warning("CPU kernels built without their direct bindings (%s); called through torch.ops", err)
         return torch.ops.pagedllm  # the same names, through the dispatcher
     if building:
-        logger.info("CPU kernels built in %.1f s (%s)", time.perf_counter() - started, name)
+        seconds = time.perf_counter() - started
+        logger.info("CPU kernels built in %.1f s (%s: %s)", seconds, name, " ".join(_cflags()[:2]))
     return library
 
 
@@ -165,7 +192,7 @@ def _load(name: str, sources: list[Path], python_module: bool) -> ModuleType | N
     return cpp_extension.load(
         name=name,
         sources=[str(source) for source in sources],
-        extra_cflags=list(_CFLAGS),  # copies: torch appends its own flags to the lists it is given,
+        extra_cflags=_cflags(),  # new lists: torch appends its own flags to the lists it is given,
         extra_ldflags=list(_LDFLAGS),  # which would change build_name() once the library is loaded
         is_python_module=python_module,
     )

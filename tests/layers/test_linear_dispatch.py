@@ -260,7 +260,7 @@ def test_choose_impls_times_each_shape_once_and_logs_the_choice(tmp_path, monkey
         choose_impls(layers, CPU, torch.float32)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Linear dispatch")]
     assert "48x64 x2" in line and "16x32 x1" in line
-    if set(cpu_paths(torch.empty(48, 64))) != {"torch"}:
+    if len(set(cpu_paths(torch.empty(48, 64))) - {"torch"}) > 1:  # a choice to time
         assert f"cached at {tmp_path}" in line and "timed 2 shapes" in line  # 48x64 once
 
 

@@ -32,6 +32,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -303,7 +304,13 @@ at::Tensor pagedllm_ops::gelu_tanh_and_mul(const at::Tensor& gate_up) {
   return act_and_mul<GeluTanh>(gate_up);
 }
 
+namespace {
+// The levels this build was compiled for (cpu_types.h): [PAGEDLLM_CPU_ISA, PAGEDLLM_CPU_VNNI].
+std::vector<int64_t> instruction_sets() { return {PAGEDLLM_CPU_ISA, PAGEDLLM_CPU_VNNI}; }
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("instruction_sets() -> int[]", &instruction_sets);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &act_and_mul<Silu>);
   m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
