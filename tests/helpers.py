@@ -32,6 +32,11 @@ from pagedllm.model.locate import default_model_path
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
+AVX2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "bmi2", "movbe"})
+"""An AVX2 host's flags as /proc/cpuinfo spells them: what gcc's x86-64-v3 code needs."""
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+"""An AVX-512 host's (Skylake-SP on): what x86-64-v4 code needs."""
+
 MODEL = "SmolLM2-135M-Instruct"  # the served name of the default model
 API_KEY = "test-key"
 

@@ -16,13 +16,13 @@ from pagedllm.layers import float_paths
 from pagedllm.layers.linear_dispatch import FALLBACK, LinearDispatch, Timing
 from pagedllm.model.locate import resolve_dtype
 
-AVX2 = {"avx", "avx2", "fma", "f16c"}
-AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
-BF16 = AVX512 | {"avx512_vnni", "avx512_bf16"}
+from .helpers import AVX2_FLAGS, AVX512_FLAGS
+
+BF16 = AVX512_FLAGS | {"avx512_vnni", "avx512_bf16"}
 HOST_KINDS = {  # flags (as /proc/cpuinfo spells them), and the fast dtype
-    "zen3 (AVX2 only)": (AVX2, torch.float32),
-    "skylake-sp (AVX-512, no VNNI)": (AVX512, torch.float32),
-    "icelake-sp (AVX-512 VNNI)": (AVX512 | {"avx512_vnni"}, torch.float32),
+    "zen3 (AVX2 only)": (AVX2_FLAGS, torch.float32),
+    "skylake-sp (AVX-512, no VNNI)": (AVX512_FLAGS, torch.float32),
+    "icelake-sp (AVX-512 VNNI)": (AVX512_FLAGS | {"avx512_vnni"}, torch.float32),
     "zen4 / zen5 (AVX-512 BF16)": (BF16, torch.bfloat16),
     "sapphire rapids (AMX)": (BF16 | {"amx_bf16", "amx_tile"}, torch.bfloat16),
     "arm (neoverse)": ({"fp", "asimd", "sve", "bf16"}, torch.float32),

@@ -63,11 +63,15 @@ _CACHE_DTYPES = {
 _QUERY_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
 
-def _cflags() -> list[str]:
+def _march() -> str:
     march = os.environ.get(MARCH_VARIABLE, "").strip() or "native"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}", march):
         raise ValueError(f"{MARCH_VARIABLE}={march!r} is not a compiler CPU name (e.g. x86-64-v3)")
-    return ["-O3", f"-march={march}", "-fno-trapping-math", "-fopenmp"]
+    return march
+
+
+def _cflags() -> list[str]:
+    return ["-O3", f"-march={_march()}", "-fno-trapping-math", "-fopenmp"]
 
 
 ISA_LEVELS = ("plain C++ loops", "AVX2 + FMA", "AVX-512", "AVX-512 + BF16")
@@ -76,13 +80,25 @@ BYTE_PRODUCTS = ("AVX2 byte products", "AVX-VNNI", "AVX512-VNNI")
 """cpu_types.h's PAGEDLLM_CPU_VNNI, 0 to 2: how the integer kernel multiplies bytes."""
 
 
-def instruction_sets() -> str | None:
-    """What the built kernels use, as cpu_types.h chose it from the compiler's target; None
+def instruction_set_levels() -> tuple[int, int] | None:
+    """cpu_types.h's (PAGEDLLM_CPU_ISA, PAGEDLLM_CPU_VNNI) as the kernels were built; None
     without a build."""
     if not is_built():
         return None
     isa, vnni = torch.ops.pagedllm.instruction_sets()
+    return isa, vnni
+
+
+def describe_levels(isa: int, vnni: int) -> str:
     return ISA_LEVELS[isa] + (f", {BYTE_PRODUCTS[vnni]}" if isa else "")
+
+
+def describe_build() -> str:
+    """The start-up line's words for what the kernels run: their instruction sets and -march."""
+    levels = instruction_set_levels()
+    if levels is None:
+        return "not built (no compiler?): PyTorch's paths only"
+    return f"{describe_levels(*levels)} (-march={_march()})"
 
 
 @functools.cache

@@ -390,16 +390,11 @@ def merge_starts(
         return {"rows": rows, "seconds": seconds, "settled": settled, "starts": 1}
     starts = previous.get("starts")
     starts = (starts if isinstance(starts, int) and starts >= 1 else 1) + 1
-    earlier = previous["seconds"]
-    bettered = any(
-        now < before * (1 - SETTLED)
-        for name, times in seconds.items()
-        for now, before in zip(times, earlier[name], strict=True)
-    )
-    least = {
-        name: [min(pair) for pair in zip(times, earlier[name], strict=True)]
-        for name, times in seconds.items()
+    cells = {
+        name: list(zip(times, previous["seconds"][name], strict=True)) for name, times in seconds.items()
     }
+    bettered = any(now < before * (1 - SETTLED) for pairs in cells.values() for now, before in pairs)
+    least = {name: [min(pair) for pair in pairs] for name, pairs in cells.items()}
     return {
         "rows": rows,
         "seconds": least,

@@ -21,7 +21,9 @@ from pagedllm.attention.backend import CpuKernelBackend
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.cpu_features import describe_host
 from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers import bind_attributes
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.model.config import ModelConfig
@@ -149,6 +151,7 @@ class Worker:
     def load_model(self, max_position: int) -> None:
         if self.cpu_threads is not None:
             return_freed_memory()
+            logger.info("CPU: %s; kernels: %s", describe_host(), cpu_ops.describe_build())
             self.cpu_threads.start()
         self.model = load_model(
             self.model_folder,

@@ -20,13 +20,13 @@ import pytest
 from pagedllm.cpu_features import cpu_flags
 from pagedllm.kernels import cpu_ops
 
+from ..helpers import AVX2_FLAGS, AVX512_FLAGS
+
 REPO = Path(__file__).resolve().parents[2]
-AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2", "movbe"})
-AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
-LEVELS = {  # -march: (the flags a CPU needs to run the build, what the build reports)
-    "x86-64": (frozenset(), cpu_ops.ISA_LEVELS[0]),
-    "x86-64-v3": (AVX2, f"{cpu_ops.ISA_LEVELS[1]}, {cpu_ops.BYTE_PRODUCTS[0]}"),
-    "x86-64-v4": (AVX512, f"{cpu_ops.ISA_LEVELS[2]}, {cpu_ops.BYTE_PRODUCTS[0]}"),
+LEVELS = {  # -march: (the flags a CPU needs to run the build, cpu_types.h's ISA and VNNI levels in it)
+    "x86-64": (frozenset(), (0, 0)),
+    "x86-64-v3": (AVX2_FLAGS, (1, 0)),
+    "x86-64-v4": (AVX512_FLAGS, (2, 0)),
 }
 FORCED_RUN = [  # what each forced build runs: the kernels against their references, the dispatch
     "tests/kernels",  # among the paths the build has, and the default model's greedy tokens through
@@ -35,27 +35,23 @@ FORCED_RUN = [  # what each forced build runs: the kernels against their referen
 ]
 
 
-def native_level(flags: frozenset[str]) -> str:
+def native_levels(flags: frozenset[str]) -> tuple[int, int]:
     """What -march=native gives on a CPU with these flags, by cpu_types.h's rules."""
     if not {"avx2", "fma", "f16c"} <= flags:
-        return cpu_ops.ISA_LEVELS[0]
+        return 0, 0
     isa = 1
     if {"avx512f", "avx512bw", "avx512dq"} <= flags:
         isa = 3 if "avx512_bf16" in flags else 2
     vnni = 2 if isa >= 2 and "avx512_vnni" in flags else 1 if "avx_vnni" in flags else 0
-    return f"{cpu_ops.ISA_LEVELS[isa]}, {cpu_ops.BYTE_PRODUCTS[vnni]}"
-
-
-def level_of(described: str) -> int:
-    """cpu_types.h's PAGEDLLM_CPU_ISA from instruction_sets()'s words."""
-    return cpu_ops.ISA_LEVELS.index(described.split(",")[0])
+    return isa, vnni
 
 
 @pytest.mark.skipif(not cpu_ops.is_built(), reason="no compiler: the kernels are not built")
 def test_the_kernels_are_built_for_the_level_asked():
     march = os.environ.get(cpu_ops.MARCH_VARIABLE)
-    expected = LEVELS[march][1] if march else native_level(cpu_flags())
-    assert cpu_ops.instruction_sets() == expected
+    expected = LEVELS[march][1] if march else native_levels(cpu_flags())
+    assert cpu_ops.instruction_set_levels() == expected
+    assert cpu_ops.describe_build() == f"{cpu_ops.describe_levels(*expected)} (-march={march or 'native'})"
 
 
 def test_a_bad_march_is_refused_with_its_name(monkeypatch):
@@ -77,7 +73,7 @@ def test_a_build_for_a_lower_level_passes_the_kernel_and_dispatch_tests(march):
     flags = cpu_flags()
     if not needs <= flags:
         pytest.skip(f"this CPU cannot run {march} code (no {' '.join(sorted(needs - flags))})")
-    below = level_of(native_level(flags)) - level_of(reports)
+    below = native_levels(flags)[0] - reports[0]
     if below <= 0:
         pytest.skip(f"{march} is not below this host's level: the rest of the suite runs that")
     if below > 2:
