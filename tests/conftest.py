@@ -20,7 +20,13 @@ import torch
 from pagedllm import LLM
 from pagedllm.model.locate import default_model_path, resolve_model_folder
 
-from .helpers import TEST_ENGINE_ARGS, RemoteServer, default_gguf_reader, shared_server_args
+from .helpers import (
+    TEST_ENGINE_ARGS,
+    RemoteServer,
+    default_gguf_reader,
+    save_mechanism_model,
+    shared_server_args,
+)
 
 
 def _interrupt(signum: int, _: FrameType | None) -> None:
@@ -124,6 +130,12 @@ def reference() -> Reference:
 def llm() -> LLM:
     """A float32 engine shared by tests that do not need special settings."""
     return LLM(**TEST_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def mechanism_model(tmp_path_factory) -> str:
+    """helpers.save_mechanism_model's folder, written once per run."""
+    return str(save_mechanism_model(tmp_path_factory.mktemp("mechanism-model")))
 
 
 @pytest.fixture(scope="session")

@@ -70,6 +70,12 @@ def server_engine_args() -> list[str]:
     ]
 
 
+def mechanism_server_args(mechanism_model: str) -> list[str]:
+    """server_engine_args() on the mechanism model (save_mechanism_model), answering to MODEL: for
+    server tests of protocol, routing and caching, where the default model's steps were the cost."""
+    return ["--model", mechanism_model, "--served-model-name", MODEL, *server_engine_args()]
+
+
 SHARED_MAX_NUM_SEQS = 8
 SHARED_MAX_QUEUE_LEN = 40
 SHARED_MAX_BODY_BYTES = 256 * 1024
@@ -417,6 +423,35 @@ def tiny_architectures():
             },
         ),
     }
+
+
+MECHANISM_MODEL = {  # SmolLM2-135M's heads (64 wide, three queries to a KV head), two layers
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 1,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.3,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def save_mechanism_model(folder: Path) -> Path:
+    """A random Llama of MECHANISM_MODEL's shapes with SmolLM2's tokenizer, as an HF folder: for
+    tests that check a path of ours (batching, chunking, preemption, prefix caching, speculation)
+    against our own plain path on the same weights. Its step reads ~40 MB where the default
+    model's float32 weights are 0.6 GiB (most of those tests' time); token-exactness against
+    transformers stays with the default model's weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    save_with_random_norms(LlamaForCausalLM(LlamaConfig(**MECHANISM_MODEL)), folder)
+    shutil.copy(converted_folder(default_model_path()) / "chat_template.jinja", folder)
+    return folder
 
 
 def save_tiny_model(name, folder):

@@ -1,4 +1,6 @@
-"""Prefix caching: hit accounting, equivalence with caching off, LRU eviction, salts, reset."""
+"""Prefix caching: hit accounting, equivalence with caching off, LRU eviction, salts, reset. The
+engines run the mechanism model (helpers.save_mechanism_model): caching is compared with our own
+path without it."""
 
 from __future__ import annotations
 
@@ -34,10 +36,20 @@ def token_prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(length)]
 
 
+@pytest.fixture(scope="module")
+def engine_args(mechanism_model) -> dict:
+    return TEST_ENGINE_ARGS | {"model": mechanism_model}
+
+
+@pytest.fixture(scope="module")
+def cached_llm(engine_args):
+    return LLM(**engine_args)
+
+
 @pytest.fixture
-def fresh(llm):
-    llm.reset_prefix_cache()
-    return llm
+def fresh(cached_llm):
+    cached_llm.reset_prefix_cache()
+    return cached_llm
 
 
 def cached_tokens(llm, prompts, params=GREEDY, **kwargs) -> list[int]:
@@ -132,8 +144,8 @@ def test_hit_rate_counters(fresh):
 
 
 @pytest.fixture(scope="module")
-def uncached():
-    return LLM(**TEST_ENGINE_ARGS, enable_prefix_caching=False)
+def uncached(engine_args):
+    return LLM(**engine_args, enable_prefix_caching=False)
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
@@ -172,8 +184,8 @@ def test_four_turn_conversation_equals_caching_off(fresh, uncached):
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-def test_eviction_under_pressure_keeps_outputs_correct(uncached):
-    small = LLM(**{**TEST_ENGINE_ARGS, "max_model_len": 256}, num_gpu_blocks_override=24)
+def test_eviction_under_pressure_keeps_outputs_correct(engine_args, uncached):
+    small = LLM(**{**engine_args, "max_model_len": 256}, num_gpu_blocks_override=24)
     prefixes = [token_prompt(50 + i, 3 * BLOCK) for i in range(3)]
     prompts = [prefixes[i % 3] + token_prompt(60 + i, 5 + i) for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

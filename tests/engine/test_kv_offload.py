@@ -39,15 +39,36 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request
 from pagedllm.worker.kv_offload import DiskKVStore, KVOffloadMover
 
-from ..helpers import TEST_ENGINE_ARGS, RemoteServer, server_engine_args
+from ..helpers import (
+    MECHANISM_MODEL,
+    TEST_ENGINE_ARGS,
+    RemoteServer,
+    mechanism_server_args,
+)
 
 DOC = "A shared reference document about paged attention and block tables, line {}. "
 PROMPT = "".join(DOC.format(i) for i in range(20)) + "Question: what is a block table?"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+KV_BYTES_PER_TOKEN = (
+    2 * MECHANISM_MODEL["num_hidden_layers"] * MECHANISM_MODEL["num_key_value_heads"] * 64 * 4
+)
+"""The mechanism model's float32 keys and values of one token (heads 64 wide)."""
 
 
-def engine(tmp_path, **overrides) -> LLM:
-    return LLM(**{**TEST_ENGINE_ARGS, "kv_offload_dir": str(tmp_path / "kv"), **overrides})
+@pytest.fixture(scope="module")
+def engine_args(mechanism_model) -> dict:
+    """The disk tier is tested on the mechanism model: its files are the same kind, far cheaper."""
+    return TEST_ENGINE_ARGS | {"model": mechanism_model}
+
+
+@pytest.fixture(scope="module")
+def plain(engine_args) -> LLM:
+    """The same model without a disk tier: the tokens to expect."""
+    return LLM(**engine_args)
+
+
+def engine(engine_args: dict, tmp_path, **overrides) -> LLM:
+    return LLM(**{**engine_args, "kv_offload_dir": str(tmp_path / "kv"), **overrides})
 
 
 def run(llm: LLM, prompt: str = PROMPT):
@@ -62,14 +83,14 @@ def disk_store(llm: LLM) -> DiskKVStore:
 
 
 @pytest.mark.slow
-def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(tmp_path, llm):
-    cold = run(llm)
-    first = engine(tmp_path)
+def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(engine_args, tmp_path, plain):
+    cold = run(plain)
+    first = engine(engine_args, tmp_path)
     assert run(first).outputs[0].token_ids == cold.outputs[0].token_ids
     first.llm_engine.close()  # a graceful shutdown writes every cached block
     del first
 
-    restarted = engine(tmp_path)
+    restarted = engine(engine_args, tmp_path)
     warm = run(restarted)
     full_blocks = (len(warm.prompt_token_ids) - 1) // 16
     assert warm.num_cached_tokens == full_blocks * 16 > 300
@@ -79,9 +100,9 @@ def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(tmp_p
 
 
 @pytest.mark.slow
-def test_blocks_evicted_under_pressure_come_back_from_disk(tmp_path, llm):
-    small = engine(tmp_path, num_gpu_blocks_override=80, max_model_len=512)
-    expected = run(llm).outputs[0].token_ids
+def test_blocks_evicted_under_pressure_come_back_from_disk(engine_args, tmp_path, plain):
+    small = engine(engine_args, tmp_path, num_gpu_blocks_override=80, max_model_len=512)
+    expected = run(plain).outputs[0].token_ids
     run(small)
     for i in range(6):  # other prompts take every block: the first prompt's blocks are evicted
         run(small, "".join(f"Unrelated filler text number {i}, part {j}. " for j in range(30)))
@@ -94,26 +115,26 @@ def test_blocks_evicted_under_pressure_come_back_from_disk(tmp_path, llm):
 
 
 @pytest.mark.slow
-def test_corrupted_and_foreign_files_are_refused(tmp_path, llm, caplog):
-    first = engine(tmp_path)
+def test_corrupted_and_foreign_files_are_refused(engine_args, tmp_path, plain, caplog):
+    first = engine(engine_args, tmp_path)
     run(first)
     first.llm_engine.close()
     store_dir = disk_store(first).directory
-    ids = llm.get_tokenizer()(PROMPT).input_ids
+    ids = plain.get_tokenizer()(PROMPT).input_ids
     first_block = store_dir / f"{extend_hashes([], ids, 16, get_hash_function('sha256'))[0].hex()}.kv"
-    other = engine(tmp_path, block_size=32)  # another fingerprint: its own subdirectory
+    other = engine(engine_args, tmp_path, block_size=32)  # another fingerprint: its own subdirectory
     run(other)
     other.llm_engine.close()
     [foreign_dir] = [d for d in store_dir.parent.iterdir() if d != store_dir]
     foreign = next(foreign_dir.glob("*.kv")).read_bytes()
     del first, other
-    expected = run(llm).outputs[0].token_ids
+    expected = run(plain).outputs[0].token_ids
 
     data = bytearray(first_block.read_bytes())
     data[-1] ^= 0xFF  # a corrupted payload: the checksum says so
     for content in (bytes(data), foreign):  # then a file of another cache under the right name
         first_block.write_bytes(content)
-        restarted = engine(tmp_path)
+        restarted = engine(engine_args, tmp_path)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pagedllm.worker.kv_offload"):
             warm = run(restarted)
@@ -125,8 +146,10 @@ def test_corrupted_and_foreign_files_are_refused(tmp_path, llm, caplog):
 
 
 @pytest.mark.slow  # writes the disk tier past its bound
-def test_the_directory_stays_within_its_bound(tmp_path):
-    llm = engine(tmp_path, kv_offload_max_bytes=3 * 16 * 46_080 + 3 * 200)  # three float32 blocks
+def test_the_directory_stays_within_its_bound(engine_args, tmp_path):
+    llm = engine(
+        engine_args, tmp_path, kv_offload_max_bytes=3 * 16 * KV_BYTES_PER_TOKEN + 3 * 200
+    )  # 3 blocks
     run(llm)
     llm.llm_engine.close()
     store = disk_store(llm)
@@ -135,10 +158,10 @@ def test_the_directory_stays_within_its_bound(tmp_path):
 
 
 @pytest.mark.slow  # an engine warmed from a file, restarted
-def test_warm_up_file_makes_the_first_request_hit(tmp_path):
+def test_warm_up_file_makes_the_first_request_hit(engine_args, tmp_path):
     workload = tmp_path / "warm.jsonl"
     workload.write_text(json.dumps({"prompt": PROMPT, "max_tokens": 4}) + "\n")
-    llm = LLM(**{**TEST_ENGINE_ARGS, "prefix_cache_warmup": str(workload)})
+    llm = LLM(**{**engine_args, "prefix_cache_warmup": str(workload)})
     first = run(llm)
     assert first.num_cached_tokens >= len(first.prompt_token_ids) - 16
 
@@ -195,10 +218,10 @@ def block_file(store_dir: Path, llm: LLM, prompt: str, index: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def populated(tmp_path_factory) -> Path:
+def populated(engine_args, tmp_path_factory) -> Path:
     """A --kv-offload-dir holding PROMPT's and PROMPT_B's blocks (copy it before changing it)."""
     root = tmp_path_factory.mktemp("populated")
-    first = engine(root)
+    first = engine(engine_args, root)
     run(first)
     run(first, PROMPT_B)
     first.llm_engine.close()
@@ -218,18 +241,18 @@ def raise_erofs(*args, **kwargs):
 
 @pytest.mark.slow
 def test_a_directory_turned_read_only_is_misses_and_schedule_touches_no_file(
-    tmp_path, populated, llm, monkeypatch, caplog
+    engine_args, tmp_path, populated, plain, monkeypatch, caplog
 ):
     """The review's crash: os.utime (a hit), os.unlink (a refused file, an LRU victim) and the
     writes raise EROFS once the engine runs. Tokens stay a cold engine's; the tier turns
     read-only; and no file is touched inside schedule() by the engine thread."""
     _, store_dir = copy_of(populated, tmp_path)
-    broken = block_file(store_dir, llm, PROMPT_B)
+    broken = block_file(store_dir, plain, PROMPT_B)
     data = bytearray(broken.read_bytes())
     data[-1] ^= 0xFF
     broken.write_bytes(bytes(data))
-    expected = [run(llm, p).outputs[0].token_ids for p in (PROMPT, PROMPT_B)]
-    small = engine(tmp_path, num_gpu_blocks_override=80, max_model_len=512)
+    expected = [run(plain, p).outputs[0].token_ids for p in (PROMPT, PROMPT_B)]
+    small = engine(engine_args, tmp_path, num_gpu_blocks_override=80, max_model_len=512)
 
     in_schedule = threading.local()
     touched: list[str] = []
@@ -426,13 +449,15 @@ def complete(url: str, prompt: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_server_keeps_serving_past_a_fifo_and_a_sparse_gib_under_block_names(tmp_path, populated, llm):
+def test_a_server_keeps_serving_past_a_fifo_and_a_sparse_gib_under_block_names(
+    mechanism_model, tmp_path, populated, plain
+):
     """Planted after start-up (so the index holds them): each request is a prompt miss, a
     bystander completes, memory does not grow by the GiB, SIGTERM exits at once."""
     root, store_dir = copy_of(populated, tmp_path)
-    server = RemoteServer([*server_engine_args(), "--kv-offload-dir", str(root)])
+    server = RemoteServer([*mechanism_server_args(mechanism_model), "--kv-offload-dir", str(root)])
     try:
-        fifo, sparse = block_file(store_dir, llm, PROMPT), block_file(store_dir, llm, PROMPT_B)
+        fifo, sparse = block_file(store_dir, plain, PROMPT), block_file(store_dir, plain, PROMPT_B)
         fifo.unlink()
         os.mkfifo(fifo)
         with open(sparse, "r+b") as f:
@@ -462,20 +487,20 @@ main()
 
 
 @pytest.mark.slow
-def test_a_server_on_a_read_only_mount_serves_hits_from_it(tmp_path, populated, llm):
+def test_a_server_on_a_read_only_mount_serves_hits_from_it(mechanism_model, tmp_path, populated, plain):
     """A real read-only mount (a private mount namespace): the review's EROFS from os.utime and
     os.unlink, for real. Hits come from the files, a corrupted one is ignored, nothing changes."""
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("no mount namespaces here (needs CAP_SYS_ADMIN)")
     root, store_dir = copy_of(populated, tmp_path)
-    broken = block_file(store_dir, llm, PROMPT_B)
+    broken = block_file(store_dir, plain, PROMPT_B)
     data = bytearray(broken.read_bytes())
     data[-1] ^= 0xFF
     broken.write_bytes(bytes(data))
     before = {p.name: p.stat().st_mtime_ns for p in store_dir.iterdir()}
     (tmp_path / "ro_server.py").write_text(RO_SERVER)
     server = RemoteServer(
-        [str(root), *server_engine_args(), "--kv-offload-dir", str(root)],
+        [str(root), *mechanism_server_args(mechanism_model), "--kv-offload-dir", str(root)],
         module="ro_server",
         env={"PYTHONPATH": str(tmp_path)},
     )
@@ -490,10 +515,16 @@ def test_a_server_on_a_read_only_mount_serves_hits_from_it(tmp_path, populated, 
     assert {p.name: p.stat().st_mtime_ns for p in store_dir.iterdir()} == before
 
 
-def start_up_error(tmp_path: Path, *args: str) -> str:
+def start_up_error(tmp_path: Path, mechanism_model: str, *args: str) -> str:
     """The api_server's output when it refuses to start."""
     done = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", *server_engine_args(), *args],
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.openai.api_server",
+            *mechanism_server_args(mechanism_model),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -505,7 +536,7 @@ def start_up_error(tmp_path: Path, *args: str) -> str:
 
 
 @pytest.mark.slow
-def test_bad_offload_and_warm_up_values_end_start_up_in_one_line(tmp_path):
+def test_bad_offload_and_warm_up_values_end_start_up_in_one_line(mechanism_model, tmp_path):
     """What the config can tell (a file where a directory goes, a missing or special warm-up file)
     it refuses before any model loads: checked in process, as the message the server prints after
     "error: ". What shows only at start-up (a directory that cannot be made, a warm-up file that does
@@ -533,9 +564,9 @@ def test_bad_offload_and_warm_up_values_end_start_up_in_one_line(tmp_path):
             f"error: prefix_cache_warmup: {path}: {why}; give --prefix-cache-warmup a JSONL file of "
             "prompts or conversations"
         )
-    line = start_up_error(tmp_path, "--kv-offload-dir", str(a_file / "kv"))
+    line = start_up_error(tmp_path, mechanism_model, "--kv-offload-dir", str(a_file / "kv"))
     assert line.startswith(f"error: kv_offload_dir: cannot create {a_file / 'kv'} (")
     assert "--kv-offload-dir" in line
-    line = start_up_error(tmp_path, "--prefix-cache-warmup", str(bad_json))
+    line = start_up_error(tmp_path, mechanism_model, "--prefix-cache-warmup", str(bad_json))
     assert line.startswith(f"error: prefix_cache_warmup: cannot read {bad_json} (")
     assert "--prefix-cache-warmup" in line

@@ -30,7 +30,7 @@ from pagedllm.entrypoints.router.request_text import request_text
 from pagedllm.entrypoints.router.stats import merge_histories
 from pagedllm.workload import Conversation, load_workload
 
-from ..helpers import RemoteServer, assert_openai_error, die_with_parent, server_engine_args
+from ..helpers import RemoteServer, assert_openai_error, die_with_parent, mechanism_server_args
 
 API_KEY = "router-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -152,8 +152,20 @@ class RouterThread(UvicornThread):
 
 
 @pytest.fixture(scope="module")
-def replicas():
-    args = [*server_engine_args(), "--kv-cache-memory-bytes", "512MiB", "--api-key", API_KEY]
+def replica_args(mechanism_model) -> list[str]:
+    """What routing is tested on: the mechanism model, whose steps cost little."""
+    return [
+        *mechanism_server_args(mechanism_model),
+        "--kv-cache-memory-bytes",
+        "512MiB",
+        "--api-key",
+        API_KEY,
+    ]
+
+
+@pytest.fixture(scope="module")
+def replicas(replica_args):
+    args = replica_args
     with ThreadPoolExecutor(2) as pool:
         servers = list(pool.map(lambda _: RemoteServer(args), range(2)))
     yield servers
@@ -366,12 +378,11 @@ def test_a_stream_broken_mid_way_ends_with_an_error_event() -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_replica_is_taken_out_without_client_errors(replicas) -> None:
+def test_a_killed_replica_is_taken_out_without_client_errors(replicas, replica_args) -> None:
     """A replica of its own is killed, behind routers of their own: the module's replicas and routers
     stay whole for the other tests, in any order. The health interval is 60 s, so requests find the
     failure."""
-    args = [*server_engine_args(), "--kv-cache-memory-bytes", "512MiB", "--api-key", API_KEY]
-    doomed = RemoteServer(args)
+    doomed = RemoteServer(replica_args)
     urls = [replicas[0].url, doomed.url]
     routers = {policy: RouterThread(urls, policy) for policy in ("cache_aware", "round_robin")}
     try:
