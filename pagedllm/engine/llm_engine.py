@@ -43,7 +43,7 @@ class LLMEngine:
         source = ModelSource.resolve(config)
         self.tokenizer_folder = source.tokenizer_folder
         self.tokenizer = source.load_tokenizer(config.chat_template)
-        self.core = EngineCore(config, source, decode=self.tokenizer.decode)  # type: ignore[arg-type]  # ids -> one str
+        self.core = EngineCore(config, source, decode=self.tokenizer.decode)
         """The scheduler, the KV cache and the ranks (tests and benchmarks look inside)."""
         try:
             self._set_up()

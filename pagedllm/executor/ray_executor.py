@@ -69,7 +69,7 @@ class RayDistributedExecutor(DistributedExecutor):
             ) from None
         actor_class = ray.remote(_RankActor)
         self._actors = [
-            actor_class.options(  # type: ignore[misc]  # ray's stubs: .remote() gives the class or a handle
+            actor_class.options(
                 num_cpus=0 if uses_gpu else 1,
                 num_gpus=1 if uses_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, i),

@@ -2,7 +2,7 @@
 them. The rest of the suite runs this host's own build (-march=native); here every level below
 it that this CPU can run (plain loops, what a CPU without AVX2 gets; AVX2; AVX-512 without BF16)
 is built with PAGEDLLM_CPU_MARCH and, in a pytest of its own, passes the kernel tests and the
-dispatch's (the default model's greedy tokens the same through every path the build has). At most
+dispatch's (a model's greedy tokens the same through every path the build has). At most
 the two levels nearest below this host's: each costs a kernel build (~1 min on 2 cores), and the
 hosts of the lower kinds run the rest. Levels above this CPU's cannot run here (SIGILL)."""
 
@@ -29,7 +29,7 @@ LEVELS = {  # -march: (the flags a CPU needs to run the build, cpu_types.h's ISA
     "x86-64-v4": (AVX512_FLAGS, (2, 0)),
 }
 FORCED_RUN = [  # what each forced build runs: the kernels against their references, the dispatch
-    "tests/kernels",  # among the paths the build has, and the default model's greedy tokens through
+    "tests/kernels",  # among the paths the build has, and a model's greedy tokens through
     "tests/layers/test_linear_dispatch.py",  # each of them
     "tests/test_host_kinds.py",
 ]

@@ -268,12 +268,13 @@ PROMPTS = ["The capital of France is", "word " * 40 + "number 7:"]
 
 
 @pytest.mark.slow  # an engine per CPU path
-def test_every_path_gives_the_auto_path_s_greedy_tokens():
-    """The default model in float32, greedy: the same tokens whatever computes the projections."""
+def test_every_path_gives_the_auto_path_s_greedy_tokens(mechanism_model):
+    """The mechanism model (the default model's heads, random weights) in float32, greedy: the same
+    tokens whatever computes the projections."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for backend in ("auto", "few_rows", "onednn", "torch"):
-        llm = LLM(**TEST_ENGINE_ARGS, linear_backend=backend)
+        llm = LLM(mechanism_model, **TEST_ENGINE_ARGS, linear_backend=backend)
         tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False)]
         del llm
     for backend in ("few_rows", "onednn", "torch"):
