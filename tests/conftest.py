@@ -139,6 +139,12 @@ def mechanism_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def mechanism_args(mechanism_model) -> dict:
+    """TEST_ENGINE_ARGS on the mechanism model."""
+    return TEST_ENGINE_ARGS | {"model": mechanism_model}
+
+
+@pytest.fixture(scope="session")
 def server() -> Iterator[RemoteServer]:
     """The default model served with shared_server_args(), one process for the whole run: a start
     costs seconds, and most server tests need no flag of their own (a module that does defines its

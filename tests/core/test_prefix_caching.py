@@ -37,13 +37,8 @@ def token_prompt(seed: int, length: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine_args(mechanism_model) -> dict:
-    return TEST_ENGINE_ARGS | {"model": mechanism_model}
-
-
-@pytest.fixture(scope="module")
-def cached_llm(engine_args):
-    return LLM(**engine_args)
+def cached_llm(mechanism_args):
+    return LLM(**mechanism_args)
 
 
 @pytest.fixture
@@ -144,8 +139,8 @@ def test_hit_rate_counters(fresh):
 
 
 @pytest.fixture(scope="module")
-def uncached(engine_args):
-    return LLM(**engine_args, enable_prefix_caching=False)
+def uncached(mechanism_args):
+    return LLM(**mechanism_args, enable_prefix_caching=False)
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
@@ -184,8 +179,8 @@ def test_four_turn_conversation_equals_caching_off(fresh, uncached):
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-def test_eviction_under_pressure_keeps_outputs_correct(engine_args, uncached):
-    small = LLM(**{**engine_args, "max_model_len": 256}, num_gpu_blocks_override=24)
+def test_eviction_under_pressure_keeps_outputs_correct(mechanism_args, uncached):
+    small = LLM(**{**mechanism_args, "max_model_len": 256}, num_gpu_blocks_override=24)
     prefixes = [token_prompt(50 + i, 3 * BLOCK) for i in range(3)]
     prompts = [prefixes[i % 3] + token_prompt(60 + i, 5 + i) for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

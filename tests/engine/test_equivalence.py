@@ -10,8 +10,6 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
-from ..helpers import TEST_ENGINE_ARGS
-
 PROMPTS = [("word " * n).strip() + f" number {n}:" for n in (3, 9, 17, 25, 33, 41, 50, 58, 66, 74, 5, 12)]
 MAX_TOKENS = 40
 
@@ -31,21 +29,16 @@ def assert_same_or_near_tie(outputs, baseline, label: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine_args(mechanism_model) -> dict:
-    return TEST_ENGINE_ARGS | {"model": mechanism_model}
-
-
-@pytest.fixture(scope="module")
-def baseline(engine_args):
+def baseline(mechanism_args):
     """Each prompt alone in a big pool: the plain path."""
-    llm = LLM(**engine_args)
+    llm = LLM(**mechanism_args)
     return [llm.generate(p, _params(i), use_tqdm=False)[0] for i, p in enumerate(PROMPTS)]
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-def test_preemption_under_a_tiny_pool_gives_the_same_outputs(engine_args, baseline):
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(mechanism_args, baseline):
     # 10 blocks of 16 = 160 slots for 12 requests of 20-110 tokens: preemption is certain.
-    tiny = LLM(**{**engine_args, "max_model_len": 160}, num_gpu_blocks_override=10)
+    tiny = LLM(**{**mechanism_args, "max_model_len": 160}, num_gpu_blocks_override=10)
     outputs = tiny.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
     assert tiny.llm_engine.get_stats().num_preemptions > 0
     assert_same_or_near_tie(outputs, baseline, "tiny pool")
@@ -56,9 +49,9 @@ def test_preemption_under_a_tiny_pool_gives_the_same_outputs(engine_args, baseli
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 @pytest.mark.parametrize("budget, partial_prefills", [(16, None), (23, None), (64, 1)])
-def test_chunk_sizes_give_the_same_outputs(engine_args, baseline, budget, partial_prefills):
+def test_chunk_sizes_give_the_same_outputs(mechanism_args, baseline, budget, partial_prefills):
     chunked = LLM(
-        **engine_args,
+        **mechanism_args,
         max_num_batched_tokens=budget,
         max_num_seqs=budget,
         max_num_partial_prefills=partial_prefills,
@@ -68,21 +61,21 @@ def test_chunk_sizes_give_the_same_outputs(engine_args, baseline, budget, partia
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-def test_one_token_prefill_chunks_give_the_same_outputs(engine_args, baseline):
-    single = LLM(**engine_args, max_num_batched_tokens=1, max_num_seqs=1)
+def test_one_token_prefill_chunks_give_the_same_outputs(mechanism_args, baseline):
+    single = LLM(**mechanism_args, max_num_batched_tokens=1, max_num_seqs=1)
     outputs = single.generate(PROMPTS[:3], [_params(i) for i in range(3)], use_tqdm=False)
     assert_same_or_near_tie(outputs, baseline[:3], "chunk 1")
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-def test_the_pytorch_attention_path_gives_the_same_outputs(engine_args, baseline, monkeypatch):
+def test_the_pytorch_attention_path_gives_the_same_outputs(mechanism_args, baseline, monkeypatch):
     """The path CUDA takes (gather + SDPA, decode batches grouped by length, prefill spans over a
     cached context), run through the runner here on CPU: chunked prefill and prefix hits included."""
     from pagedllm.attention.backend import TorchBackend
     from pagedllm.worker import model_runner
 
     monkeypatch.setattr(model_runner, "select_backend", lambda device, dtype, *_: TorchBackend(dtype))
-    torch_path = LLM(**engine_args, max_num_batched_tokens=32, max_num_seqs=32)
+    torch_path = LLM(**mechanism_args, max_num_batched_tokens=32, max_num_seqs=32)
     assert isinstance(torch_path.llm_engine.core.executor.driver_worker.runner.attn_backend, TorchBackend)
     params = [_params(i) for i in range(len(PROMPTS))]
     outputs = torch_path.generate(PROMPTS, params, use_tqdm=False)
@@ -102,11 +95,11 @@ def _without_logprobs(i: int) -> SamplingParams:
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
 @pytest.mark.parametrize("budget", [None, 23])
-def test_speculative_decoding_gives_the_same_outputs(engine_args, baseline, budget):
+def test_speculative_decoding_gives_the_same_outputs(mechanism_args, baseline, budget):
     """n-gram drafts checked in the batch (beside prefill chunks where the budget is small):
     the plain path's tokens, exactly as many, some drafts accepted and some rejected."""
     sizes = {"max_num_batched_tokens": budget, "max_num_seqs": budget} if budget else {}
-    spec = LLM(**engine_args, speculative_config=SPECULATIVE, **sizes)
+    spec = LLM(**mechanism_args, speculative_config=SPECULATIVE, **sizes)
     outputs = spec.generate(PROMPTS, [_without_logprobs(i) for i in range(len(PROMPTS))], use_tqdm=False)
     assert_same_or_near_tie(outputs, baseline, f"speculative, budget {budget}")
     assert [len(o.outputs[0].token_ids) for o in outputs] == [len(b.outputs[0].token_ids) for b in baseline]
@@ -115,10 +108,10 @@ def test_speculative_decoding_gives_the_same_outputs(engine_args, baseline, budg
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-def test_suffix_decoding_gives_the_same_outputs(engine_args, baseline):
+def test_suffix_decoding_gives_the_same_outputs(mechanism_args, baseline):
     """Suffix drafts (from each request's own context and from the outputs before it, the
     prompts run twice so the second round can draft from the first): the plain path's tokens."""
-    spec = LLM(**engine_args, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    spec = LLM(**mechanism_args, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
     params = [_without_logprobs(i) for i in range(len(PROMPTS))]
     lengths = [len(b.outputs[0].token_ids) for b in baseline]
     for turn in ("first", "second"):
@@ -129,9 +122,9 @@ def test_suffix_decoding_gives_the_same_outputs(engine_args, baseline):
 
 
 @pytest.mark.slow  # make test-fast leaves it out (one of the longest here)
-def test_speculative_decoding_under_a_tiny_pool_gives_the_same_outputs(engine_args, baseline):
+def test_speculative_decoding_under_a_tiny_pool_gives_the_same_outputs(mechanism_args, baseline):
     tiny = LLM(
-        **{**engine_args, "max_model_len": 160},
+        **{**mechanism_args, "max_model_len": 160},
         num_gpu_blocks_override=10,
         speculative_config=SPECULATIVE,
     )

@@ -49,26 +49,21 @@ from ..helpers import (
 DOC = "A shared reference document about paged attention and block tables, line {}. "
 PROMPT = "".join(DOC.format(i) for i in range(20)) + "Question: what is a block table?"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+HEAD_DIM = MECHANISM_MODEL["hidden_size"] // MECHANISM_MODEL["num_attention_heads"]
 KV_BYTES_PER_TOKEN = (
-    2 * MECHANISM_MODEL["num_hidden_layers"] * MECHANISM_MODEL["num_key_value_heads"] * 64 * 4
+    2 * MECHANISM_MODEL["num_hidden_layers"] * MECHANISM_MODEL["num_key_value_heads"] * HEAD_DIM * 4
 )
-"""The mechanism model's float32 keys and values of one token (heads 64 wide)."""
+"""The mechanism model's float32 keys and values of one token."""
 
 
 @pytest.fixture(scope="module")
-def engine_args(mechanism_model) -> dict:
-    """The disk tier is tested on the mechanism model: its files are the same kind, far cheaper."""
-    return TEST_ENGINE_ARGS | {"model": mechanism_model}
-
-
-@pytest.fixture(scope="module")
-def plain(engine_args) -> LLM:
+def plain(mechanism_args) -> LLM:
     """The same model without a disk tier: the tokens to expect."""
-    return LLM(**engine_args)
+    return LLM(**mechanism_args)
 
 
-def engine(engine_args: dict, tmp_path, **overrides) -> LLM:
-    return LLM(**{**engine_args, "kv_offload_dir": str(tmp_path / "kv"), **overrides})
+def engine(mechanism_args: dict, tmp_path, **overrides) -> LLM:
+    return LLM(**{**mechanism_args, "kv_offload_dir": str(tmp_path / "kv"), **overrides})
 
 
 def run(llm: LLM, prompt: str = PROMPT):
@@ -83,14 +78,14 @@ def disk_store(llm: LLM) -> DiskKVStore:
 
 
 @pytest.mark.slow
-def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(engine_args, tmp_path, plain):
+def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(mechanism_args, tmp_path, plain):
     cold = run(plain)
-    first = engine(engine_args, tmp_path)
+    first = engine(mechanism_args, tmp_path)
     assert run(first).outputs[0].token_ids == cold.outputs[0].token_ids
     first.llm_engine.close()  # a graceful shutdown writes every cached block
     del first
 
-    restarted = engine(engine_args, tmp_path)
+    restarted = engine(mechanism_args, tmp_path)
     warm = run(restarted)
     full_blocks = (len(warm.prompt_token_ids) - 1) // 16
     assert warm.num_cached_tokens == full_blocks * 16 > 300
@@ -100,8 +95,8 @@ def test_a_restart_with_the_directory_starts_warm_and_equals_a_cold_engine(engin
 
 
 @pytest.mark.slow
-def test_blocks_evicted_under_pressure_come_back_from_disk(engine_args, tmp_path, plain):
-    small = engine(engine_args, tmp_path, num_gpu_blocks_override=80, max_model_len=512)
+def test_blocks_evicted_under_pressure_come_back_from_disk(mechanism_args, tmp_path, plain):
+    small = engine(mechanism_args, tmp_path, num_gpu_blocks_override=80, max_model_len=512)
     expected = run(plain).outputs[0].token_ids
     run(small)
     for i in range(6):  # other prompts take every block: the first prompt's blocks are evicted
@@ -115,14 +110,14 @@ def test_blocks_evicted_under_pressure_come_back_from_disk(engine_args, tmp_path
 
 
 @pytest.mark.slow
-def test_corrupted_and_foreign_files_are_refused(engine_args, tmp_path, plain, caplog):
-    first = engine(engine_args, tmp_path)
+def test_corrupted_and_foreign_files_are_refused(mechanism_args, tmp_path, plain, caplog):
+    first = engine(mechanism_args, tmp_path)
     run(first)
     first.llm_engine.close()
     store_dir = disk_store(first).directory
     ids = plain.get_tokenizer()(PROMPT).input_ids
     first_block = store_dir / f"{extend_hashes([], ids, 16, get_hash_function('sha256'))[0].hex()}.kv"
-    other = engine(engine_args, tmp_path, block_size=32)  # another fingerprint: its own subdirectory
+    other = engine(mechanism_args, tmp_path, block_size=32)  # another fingerprint: its own subdirectory
     run(other)
     other.llm_engine.close()
     [foreign_dir] = [d for d in store_dir.parent.iterdir() if d != store_dir]
@@ -134,7 +129,7 @@ def test_corrupted_and_foreign_files_are_refused(engine_args, tmp_path, plain, c
     data[-1] ^= 0xFF  # a corrupted payload: the checksum says so
     for content in (bytes(data), foreign):  # then a file of another cache under the right name
         first_block.write_bytes(content)
-        restarted = engine(engine_args, tmp_path)
+        restarted = engine(mechanism_args, tmp_path)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pagedllm.worker.kv_offload"):
             warm = run(restarted)
@@ -146,9 +141,9 @@ def test_corrupted_and_foreign_files_are_refused(engine_args, tmp_path, plain, c
 
 
 @pytest.mark.slow  # writes the disk tier past its bound
-def test_the_directory_stays_within_its_bound(engine_args, tmp_path):
+def test_the_directory_stays_within_its_bound(mechanism_args, tmp_path):
     llm = engine(
-        engine_args, tmp_path, kv_offload_max_bytes=3 * 16 * KV_BYTES_PER_TOKEN + 3 * 200
+        mechanism_args, tmp_path, kv_offload_max_bytes=3 * 16 * KV_BYTES_PER_TOKEN + 3 * 200
     )  # 3 blocks
     run(llm)
     llm.llm_engine.close()
@@ -158,10 +153,10 @@ def test_the_directory_stays_within_its_bound(engine_args, tmp_path):
 
 
 @pytest.mark.slow  # an engine warmed from a file, restarted
-def test_warm_up_file_makes_the_first_request_hit(engine_args, tmp_path):
+def test_warm_up_file_makes_the_first_request_hit(mechanism_args, tmp_path):
     workload = tmp_path / "warm.jsonl"
     workload.write_text(json.dumps({"prompt": PROMPT, "max_tokens": 4}) + "\n")
-    llm = LLM(**{**engine_args, "prefix_cache_warmup": str(workload)})
+    llm = LLM(**{**mechanism_args, "prefix_cache_warmup": str(workload)})
     first = run(llm)
     assert first.num_cached_tokens >= len(first.prompt_token_ids) - 16
 
@@ -218,10 +213,10 @@ def block_file(store_dir: Path, llm: LLM, prompt: str, index: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def populated(engine_args, tmp_path_factory) -> Path:
+def populated(mechanism_args, tmp_path_factory) -> Path:
     """A --kv-offload-dir holding PROMPT's and PROMPT_B's blocks (copy it before changing it)."""
     root = tmp_path_factory.mktemp("populated")
-    first = engine(engine_args, root)
+    first = engine(mechanism_args, root)
     run(first)
     run(first, PROMPT_B)
     first.llm_engine.close()
@@ -241,7 +236,7 @@ def raise_erofs(*args, **kwargs):
 
 @pytest.mark.slow
 def test_a_directory_turned_read_only_is_misses_and_schedule_touches_no_file(
-    engine_args, tmp_path, populated, plain, monkeypatch, caplog
+    mechanism_args, tmp_path, populated, plain, monkeypatch, caplog
 ):
     """The review's crash: os.utime (a hit), os.unlink (a refused file, an LRU victim) and the
     writes raise EROFS once the engine runs. Tokens stay a cold engine's; the tier turns
@@ -252,7 +247,7 @@ def test_a_directory_turned_read_only_is_misses_and_schedule_touches_no_file(
     data[-1] ^= 0xFF
     broken.write_bytes(bytes(data))
     expected = [run(plain, p).outputs[0].token_ids for p in (PROMPT, PROMPT_B)]
-    small = engine(engine_args, tmp_path, num_gpu_blocks_override=80, max_model_len=512)
+    small = engine(mechanism_args, tmp_path, num_gpu_blocks_override=80, max_model_len=512)
 
     in_schedule = threading.local()
     touched: list[str] = []
