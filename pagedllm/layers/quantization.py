@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedllm.kernels import cpu_ops
+
 BLOCK = 32
 """Inputs per block: each block of a row has its own scale (and min)."""
 
@@ -127,8 +129,14 @@ class BlockQuantized:
         return self.encoded if self._q is None else None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight [N, K] (float32 arithmetic, then `dtype`)."""
+        """The float weight [N, K] (float32 arithmetic, then `dtype`). A GGUF's rows still
+        encoded are read out by the kernel an embedding's lookup uses, in one pass on every core,
+        the same values: a float model's load from a GGUF costs a read of the file, not a pass over
+        a byte per weight of codes and another over their floats."""
         n, k = self.shape
+        encoded = self.still_encoded
+        if encoded is not None and encoded.encoding in cpu_ops.GGUF_PACKED_FORMATS and cpu_ops.is_built():
+            return cpu_ops.gguf_rows(encoded.raw, torch.arange(n), encoded.encoding, k).to(dtype)
         blocks = self.q.view(n, k // BLOCK, BLOCK).float() * self.scales.unsqueeze(-1)
         if self.mins is not None:
             blocks = blocks + self.mins.unsqueeze(-1)
