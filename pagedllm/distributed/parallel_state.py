@@ -17,6 +17,8 @@ import datetime
 import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT = datetime.timedelta(seconds=300)
 """How long rank 0 waits for every rank to join (a rank that never starts fails the start-up)."""
+JOINED_KEY = "pagedllm/joined"
+"""Rank 0's store counts here the ranks that reached it."""
+JOIN_POLL_S = 0.05
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 """Generous: a rank may be building the C++ kernel (~25 s) while its peers wait."""
@@ -90,21 +95,42 @@ class TPGroup:
 
 
 def init_tp_group(
-    rank: int, world_size: int, address: str, port: int, device: torch.device, all_reduce_bytes: int
+    rank: int,
+    world_size: int,
+    address: str,
+    port: int,
+    device: torch.device,
+    all_reduce_bytes: int,
+    check_ranks: Callable[[], None] = lambda: None,
 ) -> TPGroup:
     """Join the group at address:port (rank 0 listens there); returns once all ranks have.
-    `all_reduce_bytes`: the largest all-reduce the shared-memory path must take."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{address}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=STARTUP_TIMEOUT,
+    `all_reduce_bytes`: the largest all-reduce the shared-memory path must take. `check_ranks`
+    (rank 0's): called while it waits for the others, to raise where one has died before it
+    joined (a script without `if __name__ == "__main__":`, run again by its rank's process, ends
+    that process at once), instead of waiting out STARTUP_TIMEOUT."""
+    store = dist.TCPStore(
+        address, port, world_size, is_master=rank == 0, timeout=STARTUP_TIMEOUT, wait_for_workers=False
     )
+    if rank == 0:
+        _wait_for_ranks(store, world_size, check_ranks)
+    else:
+        store.add(JOINED_KEY, 1)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
     shm = _open_shm(rank, world_size, port, all_reduce_bytes, control) if device.type == "cpu" else None
     return TPGroup(rank, world_size, group, control, shm)
+
+
+def _wait_for_ranks(store: dist.TCPStore, world_size: int, check_ranks: Callable[[], None]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+    while (joined := store.add(JOINED_KEY, 0)) < world_size - 1:
+        check_ranks()
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{joined} of ranks 1..{world_size - 1} joined within {STARTUP_TIMEOUT.total_seconds():.0f} s"
+            )
+        time.sleep(JOIN_POLL_S)
 
 
 def _open_shm(rank: int, world_size: int, port: int, max_bytes: int, control) -> ShmAllReduce | None:

@@ -90,7 +90,7 @@ class DistributedExecutor(Executor):
         threading.Thread(target=self._monitor, name="pagedllm-rank-monitor", daemon=True).start()
         spec = RankSpec(0, self.tp_size, address, port, 0, local_world_size, cuda_index=0)
         try:
-            worker = make_rank_worker(spec, config, self.model_config, self.model_folder)
+            worker = make_rank_worker(spec, config, self.model_config, self.model_folder, self._raise_if_dead)
         except Exception as error:
             failure = self._failure_after(error)
             self.shutdown()
@@ -178,6 +178,11 @@ class DistributedExecutor(Executor):
         """The interpreter ends without shutdown() (an offline script): ranks 1.. end with it
         (multiprocessing ends daemon processes, Ray its actors), which is no failure to report."""
         self._stopping = True
+
+    def _raise_if_dead(self) -> None:
+        """Raise the monitor's failure, where it has seen a rank die."""
+        if self._failure is not None:
+            raise self._failure
 
     def _failure_after(self, error: Exception) -> Exception:
         """What to raise for an error in a step or at start. A failed collective (RuntimeError)

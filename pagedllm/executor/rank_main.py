@@ -8,6 +8,7 @@ error ends this process: no rank outlives the engine it served.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +65,15 @@ class CloseKVOffload:
     saves: list[tuple[int, BlockHash]]
 
 
-def make_rank_worker(spec: RankSpec, config: EngineConfig, model_config: ModelConfig, folder: Path) -> Worker:
-    """Join the group and build this rank's Worker (rank 0 too: the executor calls this)."""
+def make_rank_worker(
+    spec: RankSpec,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    folder: Path,
+    check_ranks: Callable[[], None] = lambda: None,
+) -> Worker:
+    """Join the group and build this rank's Worker (rank 0 too: the executor calls this, with
+    `check_ranks` to raise if a rank dies while it waits for them to join)."""
     device = resolve_device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(spec.cuda_index)
@@ -76,7 +84,9 @@ def make_rank_worker(spec: RankSpec, config: EngineConfig, model_config: ModelCo
         config.max_num_seqs * model_config.vocab_size // spec.world_size,
     )
     all_reduce_bytes = elements * 4
-    tp = init_tp_group(spec.rank, spec.world_size, spec.address, spec.port, device, all_reduce_bytes)
+    tp = init_tp_group(
+        spec.rank, spec.world_size, spec.address, spec.port, device, all_reduce_bytes, check_ranks
+    )
     if device.type == "cpu" and config.num_threads is None:  # --num-threads is per rank
         threads = rank_threads(host_cores(config.cpu_cores), spec.local_rank, spec.local_world_size)
         config = config.replace(num_threads=threads)

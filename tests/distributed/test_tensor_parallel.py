@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,8 +326,9 @@ def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, 
         assert httpx.get(f"{server.url}/health").status_code == 200
         body = {"model": tiny_model, "prompt": "Hello", "max_tokens": 4}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-        children = psutil.Process(server.proc.pid).children()
-        (rank_1,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
+        # forked by the server's forkserver child (its other child is the resource tracker)
+        descendants = psutil.Process(server.proc.pid).children(recursive=True)
+        (rank_1,) = [p for p in descendants if p.ppid() != server.proc.pid]
         if when == "idle":
             rank_1.send_signal(signal.SIGKILL)
             start = time.monotonic()
@@ -349,6 +352,19 @@ def test_a_killed_rank_ends_the_server_with_status_1_and_the_reason(tiny_model, 
     assert "The engine failed (WorkerDiedError" in text
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")
+
+
+def test_a_rank_that_dies_before_it_joins_ends_the_start_at_once_saying_why(tiny_model, tmp_path):
+    """A script without `if __name__ == "__main__":` is run again by its rank's process, which may
+    not start processes while it starts: that rank exits at once, and so must the start (not wait
+    out the 300 s rendezvous), naming the rank, with Python's advice about the guard on stderr."""
+    script = tmp_path / "unguarded.py"
+    engine = "dtype='float32', max_model_len=256, kv_cache_memory_bytes='64MiB', tensor_parallel_size=2"
+    script.write_text(f"from pagedllm import LLM\n\nLLM({tiny_model!r}, {engine})\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "WorkerDiedError: tensor-parallel rank 1 (process" in done.stderr
+    assert "exited with status 1" in done.stderr and "__main__" in done.stderr
 
 
 def test_the_planner_reports_one_ranks_share():
