@@ -1,11 +1,12 @@
 // How fast one core of this host issues the instructions the projection kernels are made of, and
-// the ceilings that follow for prompts (many rows, compute-bound), int8 against bfloat16.
+// the ceilings that follow for prompts (many rows, compute-bound).
 //
 //     gcc -O2 -march=native benchmarks/cpu_peak.c -o /tmp/cpu_peak && /tmp/cpu_peak
 //
-// Needs AVX512-VNNI and AVX512-BF16. Each loop runs 12 independent chains (enough to hide the
-// latencies), single-threaded, the fastest of 7 rounds; rates in G instructions per second on one
-// core:
+// Each loop runs independent chains (enough to hide the latencies), single-threaded, the fastest
+// of 7 rounds; rates in G instructions per second on one core.
+//
+// With AVX512-VNNI and AVX512-BF16, int8 against bfloat16:
 //   vpdpbusd        64 int8 multiply-adds: the integer kernel's dot products (quant_linear)
 //   vdpbf16ps       32 bfloat16 multiply-adds: oneDNN's and few_rows_linear's on this CPU
 //   vfmadd231ps     16 float32 multiply-adds
@@ -14,6 +15,15 @@
 // The "block" rate, as int8 multiply-adds, is the most the integer kernel can reach on prompts;
 // the vdpbf16ps rate the most a bfloat16 GEMM can. Their ratio bounds what 4- and 8-bit weights
 // can win over bfloat16 where prompts dominate the time.
+//
+// With AVX2 and no VNNI (what the integer kernel's byte products are made of there, 256 bits):
+//   4-bit step      vpmaddubsw + vpaddw: 32 int8 multiply-adds summed in int16 (a 4-bit code
+//                   times an int8 quant never overflows 8 such steps)
+//   8-bit step      vpabsb, vpsignb, vpmaddubsw, vpmaddwd, vpaddd: 32 int8 multiply-adds of
+//                   signed codes, widened to int32 at every step (two products may not share int16)
+//   vfmadd231ps     8 float32 multiply-adds
+// as multiply-adds per second: the most quant_linear's prompt tiles can reach per core
+// (benchmarks/quant_linear.py prints what they do), and a float32 GEMM's ceiling beside them.
 #include <immintrin.h>
 #include <stdio.h>
 #include <time.h>
@@ -26,10 +36,6 @@ static double now(void) {
   clock_gettime(CLOCK_MONOTONIC, &t);
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
-
-static inline __m512i int_lanes(int i) { return _mm512_set1_epi32(i); }
-static inline __m512 float_lanes(int i) { return _mm512_set1_ps((float)i); }
-static inline float int_sum(__m512i v) { return (float)_mm512_reduce_add_epi32(v); }
 
 // name(): instructions per second of kChains independent chains acc = STEP(acc, w, x); the
 // chains' sum goes to a sink, so that the compiler keeps them all
@@ -49,6 +55,11 @@ static inline float int_sum(__m512i v) { return (float)_mm512_reduce_add_epi32(v
     __asm__ volatile("" : : "x"(sink));                                       \
     return rate;                                                              \
   }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+static inline __m512i int_lanes(int i) { return _mm512_set1_epi32(i); }
+static inline __m512 float_lanes(int i) { return _mm512_set1_ps((float)i); }
+static inline float int_sum(__m512i v) { return (float)_mm512_reduce_add_epi32(v); }
 
 CHAINS_RATE(dpbusd_rate, __m512i, __m512i, int_lanes, _mm512_set1_epi8(3), _mm512_set1_epi8(5), _mm512_dpbusd_epi32,
             int_sum)
@@ -123,3 +134,55 @@ int main(void) {
          64 * dpbusd / (32 * dpbf16));
   return 0;
 }
+#elif defined(__AVX2__)
+static inline __m256i int16_lanes(int i) { return _mm256_set1_epi16((short)i); }
+static inline __m256 float8_lanes(int i) { return _mm256_set1_ps((float)i); }
+static inline float lanes_sum(__m256i v) {
+  int lanes[8];
+  _mm256_storeu_si256((__m256i*)lanes, v);
+  float sum = 0.f;
+  for (int i = 0; i < 8; ++i) sum += (float)lanes[i];
+  return sum;
+}
+static inline float float_sum(__m256 v) {
+  float lanes[8];
+  _mm256_storeu_ps(lanes, v);
+  float sum = 0.f;
+  for (int i = 0; i < 8; ++i) sum += lanes[i];
+  return sum;
+}
+// The chain's own sum as the quants (x unused): the products must differ from chain to chain, or
+// the compiler computes one and adds it twelve times
+static inline __m256i nibble_step(__m256i acc, __m256i w, __m256i x) {
+  (void)x;
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, acc));
+}
+static inline __m256i q8_step(__m256i acc, __m256i w, __m256i x) {
+  (void)x;
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(acc, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+CHAINS_RATE(nibble_rate, __m256i, __m256i, int16_lanes, _mm256_set1_epi8(3), _mm256_set1_epi8(5), nibble_step,
+            lanes_sum)
+CHAINS_RATE(q8_rate, __m256i, __m256i, int16_lanes, _mm256_set1_epi8(-3), _mm256_set1_epi8(5), q8_step, lanes_sum)
+CHAINS_RATE(fma_rate, __m256, __m256, float8_lanes, _mm256_set1_ps(0.999f), _mm256_set1_ps(1e-3f), _mm256_fmadd_ps,
+            float_sum)
+
+static double max(double a, double b) { return a > b ? a : b; }
+
+int main(void) {
+  double nibble = 0, q8 = 0, fma = 0;  // the fastest of rounds taken in turn, as above
+  for (int round = 0; round < 7; ++round) {
+    nibble = max(nibble, nibble_rate());
+    q8 = max(q8, q8_rate());
+    fma = max(fma, fma_rate());
+  }
+  printf("one core, G steps/s: 4-bit step %.2f, 8-bit step %.2f, vfmadd231ps %.2f\n", nibble, q8, fma);
+  printf("multiply-adds per core, G/s: int8 4-bit step %.1f, int8 8-bit step %.1f, float32 %.1f\n", 32 * nibble,
+         32 * q8, 8 * fma);
+  return 0;
+}
+#else
+#error "cpu_peak.c measures AVX512-VNNI + AVX512-BF16 or AVX2 cores"
+#endif

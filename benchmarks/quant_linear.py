@@ -10,9 +10,10 @@ without AVX512-BF16, whose build has no bfloat16 kernel: twice the bytes), 4-bit
 (mins = -8 * scale: folded, 4.5 bits per weight) and 8-bit as Q8_0 (no mins, 8.5 bits); --mins
 stores free mins instead (Q4_1-like, 5 and 9 bits). For each row count, milliseconds per pass over
 all 64 products (the fastest of passes taken in turn: on a host shared with other work the median
-moves with its load, the fastest much less), each quantized kernel's speed-up over that, and
-at one row the packed bytes' effective GB/s beside what the host streams at all (torch.sum over
-1 GiB of float32, fastest of 5, on as many threads).
+moves with its load, the fastest much less), each quantized kernel's speed-up over that, at one
+row the packed bytes' effective GB/s beside what the host streams at all (torch.sum over 1 GiB
+of float32, fastest of 5, on as many threads), and at the last row count the multiply-adds per
+second of each kernel per thread, to set beside a core's ceiling (benchmarks/cpu_peak.c).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def main() -> None:
             gbs[base_name] = num_weights * base.itemsize / ms[base_name] / 1e6
         cells = " | ".join(f"{ms[bits]:.2f} | **{ms[base_name] / ms[bits]:.2f}x**" for bits in quantized)
         print(f"| {rows} | {ms[base_name]:.2f} | {cells} |")
+        per_thread = rows * num_weights / 1e6 / torch.get_num_threads()
+        macs = {name if isinstance(name, str) else f"{name}-bit": per_thread / t for name, t in ms.items()}
+    rates = ", ".join(f"{name} {rate:.1f}" for name, rate in macs.items())
+    print(f"multiply-adds per thread at {args.rows[-1]} rows, G/s (ceiling: benchmarks/cpu_peak.c): {rates}")
     if gbs:
         print("effective GB/s at 1 row: " + ", ".join(f"{name}: {v:.1f}" for name, v in gbs.items()))
         print(f"the host streams {streaming_gbs():.1f} GB/s (torch.sum over 1 GiB of float32)")
