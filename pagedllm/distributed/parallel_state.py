@@ -35,6 +35,7 @@ STARTUP_TIMEOUT = datetime.timedelta(seconds=300)
 JOINED_KEY = "pagedllm/joined"
 """Rank 0's store counts here the ranks that reached it."""
 JOIN_POLL_S = 0.05
+"""How often rank 0 counts the ranks joined and asks whether one has died."""
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 """Generous: a rank may be building the C++ kernel (~25 s) while its peers wait."""
