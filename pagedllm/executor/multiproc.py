@@ -5,7 +5,8 @@ Each rank starts clean of this process's threads: forked from a server process t
 what a rank runs (torch among it) once, at the first start, and nothing since (Python's
 forkserver; spawned where the platform has none). A rank then starts ~3 s sooner than a spawned
 one, which imports torch itself. The server was started with this process's environment of that
-moment, so each rank is handed the environment as it is at its own start."""
+moment, so each rank is handed the environment as it is at its own start. (The forkserver is one
+per process: a program that uses one too shares it, with this module among its imports.)"""
 
 from __future__ import annotations
 

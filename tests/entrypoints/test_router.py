@@ -165,9 +165,8 @@ def replica_args(mechanism_model) -> list[str]:
 
 @pytest.fixture(scope="module")
 def replicas(replica_args):
-    args = replica_args
     with ThreadPoolExecutor(2) as pool:
-        servers = list(pool.map(lambda _: RemoteServer(args), range(2)))
+        servers = list(pool.map(lambda _: RemoteServer(replica_args), range(2)))
     yield servers
     for server in servers:
         server.stop()
