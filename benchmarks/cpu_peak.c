@@ -136,6 +136,7 @@ int main(void) {
 }
 #elif defined(__AVX2__)
 static inline __m256i int16_lanes(int i) { return _mm256_set1_epi16((short)i); }
+static inline __m256i int32_lanes(int i) { return _mm256_set1_epi32(i); }
 static inline __m256 float8_lanes(int i) { return _mm256_set1_ps((float)i); }
 static inline float lanes_sum(__m256i v) {
   int lanes[8];
@@ -165,7 +166,7 @@ static inline __m256i q8_step(__m256i acc, __m256i w, __m256i x) {
 
 CHAINS_RATE(nibble_rate, __m256i, __m256i, int16_lanes, _mm256_set1_epi8(3), _mm256_set1_epi8(5), nibble_step,
             lanes_sum)
-CHAINS_RATE(q8_rate, __m256i, __m256i, int16_lanes, _mm256_set1_epi8(-3), _mm256_set1_epi8(5), q8_step, lanes_sum)
+CHAINS_RATE(q8_rate, __m256i, __m256i, int32_lanes, _mm256_set1_epi8(-3), _mm256_set1_epi8(5), q8_step, lanes_sum)
 CHAINS_RATE(fma_rate, __m256, __m256, float8_lanes, _mm256_set1_ps(0.999f), _mm256_set1_ps(1e-3f), _mm256_fmadd_ps,
             float_sum)
 

@@ -118,8 +118,8 @@ def main() -> None:
             gbs[base_name] = num_weights * base.itemsize / ms[base_name] / 1e6
         cells = " | ".join(f"{ms[bits]:.2f} | **{ms[base_name] / ms[bits]:.2f}x**" for bits in quantized)
         print(f"| {rows} | {ms[base_name]:.2f} | {cells} |")
-        per_thread = rows * num_weights / 1e6 / torch.get_num_threads()
-        macs = {name if isinstance(name, str) else f"{name}-bit": per_thread / t for name, t in ms.items()}
+    per_thread = args.rows[-1] * num_weights / 1e6 / torch.get_num_threads()  # ms: the last row count's
+    macs = {name if isinstance(name, str) else f"{name}-bit": per_thread / t for name, t in ms.items()}
     rates = ", ".join(f"{name} {rate:.1f}" for name, rate in macs.items())
     print(f"multiply-adds per thread at {args.rows[-1]} rows, G/s (ceiling: benchmarks/cpu_peak.c): {rates}")
     if gbs:
