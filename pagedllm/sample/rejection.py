@@ -13,7 +13,7 @@ proposer (q one-hot): draft token d at a position with target distribution p is 
 probability p(d); on a rejection the token is drawn from p with d removed, renormalized; after all
 are accepted, the next is drawn from the last position's p. Each token is then distributed as plain
 sampling's. A request with a seed draws instead as plain sampling does, position by position from
-its own generator (the exponential race), and keeps a draft token while that draw is it: the same
+its own generator (Sampler.draw_seeded), and keeps a draft token while that draw is it: the same
 tokens as without speculation, draw for draw, and the same acceptance (d is drawn with p(d)).
 
 It shares the Sampler's adjustments (penalties, bias, min_tokens bans, temperature and top-k/p/min-p)
@@ -27,7 +27,7 @@ import torch
 from pagedllm.core.outputs import TokenLogprobs
 from pagedllm.kernels.cpu_ops import argmax
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, adjusted_logits, gather_logprobs, raw_logprobs
+from pagedllm.sample.sampler import Sampler, adjusted_logits, exponential, gather_logprobs, raw_logprobs
 
 
 class RejectionSampler:
@@ -61,9 +61,8 @@ class RejectionSampler:
                 if is_greedy[row]:
                     tokens.append(greedy_tokens[row])
                     accepted = i < len(draft) and greedy_tokens[row] == draft[i]
-                elif (generator := metadata.generators.get(row)) is not None:
-                    assert probs is not None
-                    tokens.append(self._draw(probs[row], generator))
+                elif row in metadata.generators:
+                    tokens.append(self.sampler.draw_seeded(logits, metadata, row))
                     accepted = i < len(draft) and tokens[-1] == draft[i]
                 else:
                     assert probs is not None
@@ -86,12 +85,10 @@ class RejectionSampler:
             return results, [[None] * len(tokens) for tokens in results]
         return results, _logprobs_of_runs(raw, metadata, drafts, results)
 
-    def _draw(self, p: torch.Tensor, generator: torch.Generator | None = None) -> int:
-        """One token from the (unnormalized) probabilities p, by the exponential race: as the
-        Sampler draws a row, from `generator` (a seeded request's) or the sampler's own."""
-        generator = self.sampler.generator if generator is None else generator
-        noise = torch.empty_like(p).exponential_(generator=generator)
-        return int((p / noise).argmax())
+    def _draw(self, p: torch.Tensor) -> int:
+        """One token from the (unnormalized) probabilities p, by the exponential race, from the
+        sampler's own generator."""
+        return int((p / exponential(p.shape, self.sampler.generator, p.device)).argmax())
 
 
 def _logprobs_of_runs(

@@ -1,20 +1,50 @@
 """Sampler: logits of the sampled rows -> one token per request, batched.
 
 Order, as in vLLM: raw logprobs (if asked) -> penalties -> logit bias -> min_tokens masking -> greedy
-rows take the argmax; the others are divided by their temperature, cut by top-k, top-p
-and min-p, and drawn with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
-which equals sampling from p. A request with a seed draws its E from its own generator,
-so its tokens do not depend on what else is in the batch. Draft tokens (speculative decoding)
-are checked in rejection.py, through the same adjustments and generator.
+rows take the argmax; the others are divided by their temperature and cut as transformers' warpers
+cut, one after another: top-k, then top-p on what top-k left (renormalized), then min-p. What is
+left is drawn with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals sampling
+from p. A request with a seed has its row cut and drawn alone, from its own generator, so its
+tokens do not depend on what else is in the batch. Draft tokens (speculative decoding) are
+checked in rejection.py, through the same adjustments and draws.
+
+A cut row is worked on its candidates only, never the whole vocabulary sorted: its top-k tokens,
+or for top-p without top-k the TOP_P_PROBE most likely, when they hold its top_p of the mass (else
+the whole row, sorted). The noise of the race is drawn for the candidates only, as -log(U).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from pagedllm.core.outputs import TokenLogprobs
 from pagedllm.kernels.cpu_ops import argmax
 from pagedllm.sample.metadata import Penalties, SamplingMetadata
+
+TOP_P_WIDTHS = (256, 4096)
+"""How many of its most likely tokens a top-p row without a top-k is cut among: 256, then 4,096
+where those hold less than its top_p of the mass, then all of them, sorted."""
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Rows of a step cut alike: each row's scaled logits at its candidates (-inf where cut), and
+    the candidates' token ids (None: the whole vocabulary, in order)."""
+
+    rows: list[int]
+    values: torch.Tensor
+    ids: torch.Tensor | None
+
+    def probs(self) -> torch.Tensor:
+        return torch.softmax(self.values, dim=-1)
+
+    def draw(self, generator: torch.Generator) -> torch.Tensor:
+        """One token per row by the exponential race, its noise from `generator`."""
+        probs = self.probs()
+        picked = (probs / exponential(probs.shape, generator, probs.device)).argmax(dim=-1)
+        return picked if self.ids is None else self.ids.gather(1, picked[:, None])[:, 0]
 
 
 class Sampler:
@@ -35,24 +65,109 @@ class Sampler:
         return token_list, gather_logprobs(raw, tokens, metadata.num_logprobs)
 
     def probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The distributions a row draws from (temperature, then top-k, top-p and min-p);
-        shared with the check of draft tokens (rejection.py)."""
-        scaled = logits / metadata.temperature.to(logits.device)[:, None]
-        return torch.softmax(_apply_top_k_top_p_min_p(scaled, metadata), dim=-1)
+        """The distributions the rows draw from, over the whole vocabulary: the check of draft
+        tokens (rejection.py) reads them."""
+        probs = torch.zeros_like(logits)
+        for group in candidates(logits, metadata):
+            rows = torch.tensor(group.rows, device=logits.device)
+            if group.ids is None:
+                probs[rows] = group.probs()
+            else:
+                probs[rows] = probs[rows].scatter_(1, group.ids, group.probs())
+        return probs
+
+    def draw_seeded(self, logits: torch.Tensor, metadata: SamplingMetadata, row: int) -> int:
+        """The token a seeded request's row draws, from its own generator and its row alone."""
+        (alone,) = _cut(logits[row : row + 1], metadata, [row])
+        return int(alone.draw(metadata.generators[row])[0])
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        probs = self.probs(logits, metadata)
+        tokens = argmax(logits)  # the greedy rows' tokens
+        for group in candidates(logits, metadata):
+            rows = torch.tensor(group.rows, device=logits.device)
+            generator = metadata.generators.get(group.rows[0], self.generator)
+            tokens[rows] = group.draw(generator)
+        return tokens
 
-        noise = torch.empty_like(probs)
-        unseeded = [row for row in range(probs.shape[0]) if row not in metadata.generators]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator
-            )
-        for row, generator in metadata.generators.items():
-            noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(metadata.is_greedy.to(logits.device), argmax(logits), sampled)
+
+def exponential(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Exp(1) draws, as -log(U): torch's exponential_ draws one element at a time, ~5x slower on CPU."""
+    return torch.rand(shape, generator=generator, device=device).log_().neg_()
+
+
+def candidates(logits: torch.Tensor, metadata: SamplingMetadata) -> list[Candidates]:
+    """The sampled rows, cut: each seeded row alone, then the other rows that cut by top-k or
+    top-p together, then those that do not (the whole vocabulary)."""
+    greedy = metadata.is_greedy.tolist()
+    cuts = [False] * len(greedy)
+    if metadata.top_k is not None and metadata.top_p is not None:
+        cuts = ((metadata.top_k < logits.shape[1]) | (metadata.top_p < 1)).tolist()
+    groups: list[list[int]] = [[], [], []]  # seeded, cutting, whole
+    for row, is_greedy in enumerate(greedy):
+        if not is_greedy:
+            groups[0 if row in metadata.generators else 1 if cuts[row] else 2].append(row)
+    alone = [[row] for row in groups[0]]
+    return [
+        cut
+        for rows in alone + [rows for rows in groups[1:] if rows]
+        for cut in _cut(logits if len(rows) == logits.shape[0] else logits[rows], metadata, rows)
+    ]
+
+
+def _cut(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> list[Candidates]:
+    """Rows' logits (in `rows`' order) scaled by their temperature and cut: top-k, top-p, min-p;
+    in parts where rows needed different numbers of candidates."""
+    device = logits.device
+    index = torch.tensor(rows)
+    scaled = logits / metadata.temperature[index].to(device)[:, None]
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [(index, scaled, None)]
+    if metadata.top_k is not None and metadata.top_p is not None:
+        top_k, top_p = metadata.top_k[index].to(device), metadata.top_p[index].to(device)
+        if bool((top_k < scaled.shape[1]).any() | (top_p < 1).any()):
+            parts = [(index[at.cpu()], values, ids) for at, values, ids in _top_k_top_p(scaled, top_k, top_p)]
+    cut = []
+    for part_index, values, ids in parts:
+        if metadata.min_p is not None:
+            probs = values.softmax(dim=-1)
+            min_p = metadata.min_p[part_index].to(device)[:, None]
+            values = values.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, float("-inf"))
+        cut.append(Candidates(part_index.tolist(), values, ids))
+    return cut
+
+
+def _top_k_top_p(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(rows, candidates' values, their ids) parts: the rows' most likely tokens, top-k cut, then
+    top-p cut on the distribution top-k left (a token stays while the mass before it is below
+    top_p; the most likely always stays). A top-k row's candidates are its top k; a top-p row
+    without one goes on to more (TOP_P_WIDTHS, then the whole row) until they hold its top_p."""
+    vocab = scaled.shape[1]
+    cuts_k = top_k < vocab
+    pending = torch.arange(scaled.shape[0], device=scaled.device)
+    width = int(torch.where(cuts_k, top_k, TOP_P_WIDTHS[0]).max())
+    parts = []
+    while True:
+        at_k, at_p, rows = top_k[pending], top_p[pending], scaled[pending]
+        if width < vocab:
+            values, ids = rows.topk(width, dim=-1)
+        else:
+            values, ids = rows.sort(dim=-1, descending=True)
+        ranks = torch.arange(values.shape[1], device=scaled.device)
+        values = values.masked_fill(ranks >= at_k[:, None], float("-inf"))
+        # a top-k row is normalized over its k candidates, any other over its whole row
+        log_total = torch.where(at_k < vocab, values.logsumexp(dim=-1), rows.logsumexp(dim=-1))
+        probs = (values - log_total[:, None]).exp()
+        before = probs.cumsum(dim=-1) - probs
+        # a top_p of 1 cuts nothing (the float sum of the mass before a tail token can round to 1)
+        values = values.masked_fill((before >= at_p[:, None]) & (at_p[:, None] < 1), float("-inf"))
+        done = (at_k < vocab) | (before[:, -1] + probs[:, -1] >= at_p) | (width >= vocab)
+        if bool(done.any()):
+            parts.append((pending[done], values[done], ids[done]))
+        pending = pending[~done]
+        if len(pending) == 0:
+            return parts
+        width = next((w for w in TOP_P_WIDTHS if w > width), vocab)
 
 
 def raw_logprobs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
@@ -100,25 +215,6 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     )
     logits = logits.clone()
     logits[rows] = penalized_rows
-    return logits
-
-
-def _apply_top_k_top_p_min_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    vocab = logits.shape[1]
-    device = logits.device
-    if metadata.top_k is not None and metadata.top_p is not None:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=device)[None, :]
-        drop = ranks >= metadata.top_k.to(device)[:, None]
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # keep a token while the mass before it is below top_p (the top token always stays)
-        drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= metadata.top_p.to(device)[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
-    if metadata.min_p is not None:
-        probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * metadata.min_p.to(device)[:, None]
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 

@@ -73,6 +73,39 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert seen == {0, 1}  # 0.5 < 0.8, 0.5 + 0.3 reaches it
 
 
+CUTS = [
+    {"top_k": k, "top_p": p, "min_p": m} for k in (None, 5, 300) for p in (1.0, 0.5, 0.9) for m in (0.0, 0.05)
+]
+
+
+def test_the_tokens_that_may_be_drawn_are_those_transformers_warpers_keep():
+    """top-k, then top-p on the distribution top-k left, then min-p: transformers' warpers in that
+    order are the reference, row by row, in one batch of every combination, a seeded row among
+    them. A top-p row without a top-k is cut among its 256 most likely tokens where the row is
+    peaked, 4,096 where it is less so, and all of them where it is near flat: each kind here."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 8000
+    logits = torch.cat([torch.randn(len(CUTS), vocab, generator=gen) * spread for spread in (4, 1, 0.05)])
+    settings = CUTS * 3
+    reqs = [request(f"r{i}", temperature=0.7, **cut) for i, cut in enumerate(settings)]
+    for row in (3, 2 * len(CUTS) + 3):  # a peaked and a flat row, each cut alone
+        reqs[row] = request(f"seeded{row}", temperature=0.7, seed=5, **settings[row])
+    probs = Sampler(torch.device("cpu"), 0).probs(logits, metadata(reqs, vocab))
+    for row, cut in enumerate(settings):
+        scores = logits[row : row + 1] / 0.7
+        if cut["top_k"] is not None:
+            scores = TopKLogitsWarper(cut["top_k"])(None, scores)
+        if cut["top_p"] < 1:
+            scores = TopPLogitsWarper(cut["top_p"])(None, scores)
+        if cut["min_p"] > 0:
+            scores = MinPLogitsWarper(cut["min_p"])(None, scores)
+        expected = torch.softmax(scores, dim=-1)[0]
+        assert torch.equal(probs[row] > 0, expected > 0), (row, cut)
+        torch.testing.assert_close(probs[row], expected, rtol=1e-4, atol=1e-7)
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().repeat(4000, 1)
@@ -93,6 +126,12 @@ def test_seeded_request_is_independent_of_its_batch():
     ]
     together, _ = sample(logits, batch, seed=99)
     assert together[2] == alone[0]
+    for cut in CUTS:  # cut, and beside rows that cut otherwise
+        alone, _ = sample(logits[2:3], [request("x", temperature=1.0, seed=42, **cut)], seed=1)
+        batch[2] = request("x", temperature=1.0, seed=42, **cut)
+        batch[0] = request("a", temperature=1.0, top_k=3)
+        together, _ = sample(logits, batch, seed=99)
+        assert together[2] == alone[0], cut
 
 
 def test_penalties_match_vllm_formulas():
