@@ -25,7 +25,8 @@ from pagedllm.sample.metadata import Penalties, SamplingMetadata
 
 TOP_P_WIDTHS = (256, 4096)
 """How many of its most likely tokens a top-p row without a top-k is cut among: 256, then 4,096
-where those hold less than its top_p of the mass, then all of them, sorted."""
+where those hold less than its top_p of the mass, then all of them, sorted (a width the row's
+mass so far shows too few is skipped)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class Sampler:
         return token_list, gather_logprobs(raw, tokens, metadata.num_logprobs)
 
     def probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The distributions the rows draw from, over the whole vocabulary: the check of draft
-        tokens (rejection.py) reads them."""
+        """The distributions the sampled rows draw from, over the whole vocabulary (greedy rows:
+        zeros): the check of draft tokens (rejection.py) reads them."""
         probs = torch.zeros_like(logits)
         for group in candidates(logits, metadata):
             rows = torch.tensor(group.rows, device=logits.device)
@@ -161,13 +162,17 @@ def _top_k_top_p(
         before = probs.cumsum(dim=-1) - probs
         # a top_p of 1 cuts nothing (the float sum of the mass before a tail token can round to 1)
         values = values.masked_fill((before >= at_p[:, None]) & (at_p[:, None] < 1), float("-inf"))
-        done = (at_k < vocab) | (before[:, -1] + probs[:, -1] >= at_p) | (width >= vocab)
+        held = before[:, -1] + probs[:, -1]
+        done = (at_k < vocab) | (held >= at_p) | (width >= vocab)
         if bool(done.any()):
             parts.append((pending[done], values[done], ids[done]))
-        pending = pending[~done]
-        if len(pending) == 0:
+        if bool(done.all()):
             return parts
-        width = next((w for w in TOP_P_WIDTHS if w > width), vocab)
+        # the tokens past these are each at most as likely as the last: a row needs at least
+        # (top_p - held) / p_last more, so a width no row can be done at is skipped
+        needed = width + float(((at_p - held) / probs[:, -1])[~done].min())
+        pending = pending[~done]
+        width = next((w for w in TOP_P_WIDTHS if needed <= w), vocab)
 
 
 def raw_logprobs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
