@@ -8,9 +8,10 @@ from p. A request with a seed has its row cut and drawn alone, from its own gene
 tokens do not depend on what else is in the batch. Draft tokens (speculative decoding) are
 checked in rejection.py, through the same adjustments and draws.
 
-A cut row is worked on its candidates only, never the whole vocabulary sorted: its top-k tokens,
-or for top-p without top-k the TOP_P_PROBE most likely, when they hold its top_p of the mass (else
-the whole row, sorted). The noise of the race is drawn for the candidates only, as -log(U).
+A cut row is worked on its candidates only: its top-k tokens, or for top-p without top-k its most
+likely ones, as many as hold its top_p of the mass (TOP_P_WIDTHS; the whole row sorted where
+they do not, or where the candidates would be a quarter of the vocabulary or more). The noise of
+the race is drawn for the candidates only, as -log(U).
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ class Sampler:
 
 
 def exponential(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Exp(1) draws, as -log(U): torch's exponential_ draws one element at a time, ~5x slower on CPU."""
-    return torch.rand(shape, generator=generator, device=device).log_().neg_()
+    """Exp(1) draws, as -log(U): torch's exponential_ draws one element at a time, ~5x slower on CPU.
+    U = 0 (torch.rand draws it about once in 2^24) is taken as the least positive float: an
+    infinite draw would make a row's only likely token's p / E zero, and argmax would pick token 0."""
+    uniform = torch.rand(shape, generator=generator, device=device)
+    return uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
 
 
 def candidates(logits: torch.Tensor, metadata: SamplingMetadata) -> list[Candidates]:
@@ -150,6 +154,8 @@ def _top_k_top_p(
     parts = []
     while True:
         at_k, at_p, rows = top_k[pending], top_p[pending], scaled[pending]
+        if 4 * width >= vocab:  # a large top-k: the sort is the cheaper way to that many
+            width = vocab
         if width < vocab:
             values, ids = rows.topk(width, dim=-1)
         else:

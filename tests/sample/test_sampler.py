@@ -106,6 +106,17 @@ def test_the_tokens_that_may_be_drawn_are_those_transformers_warpers_keep():
         torch.testing.assert_close(probs[row], expected, rtol=1e-4, atol=1e-7)
 
 
+def test_a_zero_uniform_draw_still_picks_the_only_likely_token(monkeypatch):
+    """The race's noise is -log(U); torch.rand returns U = 0 about once in 2^24. A row whose one
+    token has all the mass (a grammar or a low temperature leaves one) must still draw it then,
+    cut or not."""
+    logits = torch.full((2, 50), float("-inf"))
+    logits[:, 7] = 0.0
+    monkeypatch.setattr(torch, "rand", lambda shape, generator=None, device=None: torch.zeros(shape))
+    tokens, _ = sample(logits, [request("whole", temperature=1.0), request("cut", temperature=1.0, top_k=5)])
+    assert tokens == [7, 7]
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().repeat(4000, 1)
