@@ -63,7 +63,7 @@ def test_serve_help_documents_every_flag(capsys):
 
 def test_serve_takes_the_model_as_argument_or_flag(monkeypatch):
     seen = []
-    monkeypatch.setattr("pagedllm.entrypoints.cli.serve.run_server", seen.append)
+    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.run_server", seen.append)
     for argv in (
         ["serve", "m.gguf", "--port", "9"],
         ["serve", "--model", "m.gguf"],
@@ -183,7 +183,7 @@ def _in_a_fresh_interpreter(code: str) -> None:
 
 def test_version_and_help_do_not_import_torch():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    for argv in (["--version"], ["--help"]):
+    for argv in (["--version"], ["--help"], ["serve", "--help"]):
         _in_a_fresh_interpreter(
             "import contextlib, io, sys\n"
             "from pagedllm.entrypoints.cli.main import main\n"
@@ -194,7 +194,7 @@ def test_version_and_help_do_not_import_torch():
             "    except SystemExit as e:\n"
             "        assert e.code == 0, e.code\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n"
-            f"assert {version!r} in out.getvalue() or {argv!r} == ['--help'], out.getvalue()\n"
+            f"assert {version!r} in out.getvalue() or 'help' in {argv[-1]!r}, out.getvalue()\n"
         )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import functools
 
-from pagedllm.entrypoints.openai.api_server import run_server
 from pagedllm.entrypoints.openai.server_config import add_server_args, check_server_args
 
 
@@ -34,4 +33,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.model = args.model_tag
     del args.model_tag
     check_server_args(parser, args)
+    # Imported here, not above: it loads torch and the engine (~4 s), which `serve --help` and a
+    # rejected flag should not wait for.
+    from pagedllm.entrypoints.openai.api_server import run_server
+
     run_server(args)
