@@ -13,7 +13,7 @@ proposer (q one-hot): draft token d at a position with target distribution p is 
 probability p(d); on a rejection the token is drawn from p with d removed, renormalized; after all
 are accepted, the next is drawn from the last position's p. Each token is then distributed as plain
 sampling's. A request with a seed draws instead as plain sampling does, position by position from
-its own generator (Sampler.draw_seeded), and keeps a draft token while that draw is it: the same
+its own generator, each row cut alone, and keeps a draft token while that draw is it: the same
 tokens as without speculation, draw for draw, and the same acceptance (d is drawn with p(d)).
 
 It shares the Sampler's adjustments (penalties, bias, min_tokens bans, temperature and top-k/p/min-p)
@@ -27,7 +27,15 @@ import torch
 from pagedllm.core.outputs import TokenLogprobs
 from pagedllm.kernels.cpu_ops import argmax
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, adjusted_logits, exponential, gather_logprobs, raw_logprobs
+from pagedllm.sample.sampler import (
+    Sampler,
+    adjusted_logits,
+    candidates,
+    exponential,
+    gather_logprobs,
+    raw_logprobs,
+    whole_vocabulary_probs,
+)
 
 
 class RejectionSampler:
@@ -51,7 +59,11 @@ class RejectionSampler:
         raw = raw_logprobs(logits, metadata)
         logits = adjusted_logits(logits, metadata)
         greedy_tokens = argmax(logits).tolist()
-        probs = None if metadata.all_greedy else self.sampler.probs(logits, metadata)
+        groups = [] if metadata.all_greedy else candidates(logits, metadata)
+        # a seeded row is cut alone, and drawn only where the run reaches it (its generator's order)
+        seeded = {group.rows[0]: group for group in groups if group.rows[0] in metadata.generators}
+        unseeded = [group for group in groups if group.rows[0] not in seeded]
+        probs = whole_vocabulary_probs(unseeded, logits) if unseeded else None
         is_greedy = metadata.is_greedy.tolist()
         results, first = [], 0
         for draft in drafts:
@@ -61,8 +73,8 @@ class RejectionSampler:
                 if is_greedy[row]:
                     tokens.append(greedy_tokens[row])
                     accepted = i < len(draft) and greedy_tokens[row] == draft[i]
-                elif row in metadata.generators:
-                    tokens.append(self.sampler.draw_seeded(logits, metadata, row))
+                elif row in seeded:
+                    tokens.append(int(seeded[row].draw(metadata.generators[row])[0]))
                     accepted = i < len(draft) and tokens[-1] == draft[i]
                 else:
                     assert probs is not None

@@ -66,23 +66,6 @@ class Sampler:
             return token_list, [None] * len(token_list)
         return token_list, gather_logprobs(raw, tokens, metadata.num_logprobs)
 
-    def probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The distributions the sampled rows draw from, over the whole vocabulary (greedy rows:
-        zeros): the check of draft tokens (rejection.py) reads them."""
-        probs = torch.zeros_like(logits)
-        for group in candidates(logits, metadata):
-            rows = torch.tensor(group.rows, device=logits.device)
-            if group.ids is None:
-                probs[rows] = group.probs()
-            else:
-                probs[rows] = probs[rows].scatter_(1, group.ids, group.probs())
-        return probs
-
-    def draw_seeded(self, logits: torch.Tensor, metadata: SamplingMetadata, row: int) -> int:
-        """The token a seeded request's row draws, from its own generator and its row alone."""
-        (alone,) = _cut(logits[row : row + 1], metadata, [row])
-        return int(alone.draw(metadata.generators[row])[0])
-
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         tokens = argmax(logits)  # the greedy rows' tokens
         for group in candidates(logits, metadata):
@@ -90,6 +73,19 @@ class Sampler:
             generator = metadata.generators.get(group.rows[0], self.generator)
             tokens[rows] = group.draw(generator)
         return tokens
+
+
+def whole_vocabulary_probs(groups: list[Candidates], logits: torch.Tensor) -> torch.Tensor:
+    """The groups' distributions spread over `logits`' shape: zeros at the rows no group holds
+    and at the tokens a group cut."""
+    probs = torch.zeros_like(logits)
+    for group in groups:
+        rows = torch.tensor(group.rows, device=logits.device)
+        if group.ids is None:
+            probs[rows] = group.probs()
+        else:
+            probs[rows] = torch.zeros_like(logits[rows]).scatter_(1, group.ids, group.probs())
+    return probs
 
 
 def exponential(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:

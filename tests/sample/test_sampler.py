@@ -9,7 +9,7 @@ import torch
 from pagedllm import SamplingParams
 from pagedllm.core.outputs import NewRequestData, SchedulerOutput
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, apply_penalties
+from pagedllm.sample.sampler import Sampler, apply_penalties, candidates, whole_vocabulary_probs
 from pagedllm.worker.input_batch import InputBatch
 
 
@@ -92,7 +92,7 @@ def test_the_tokens_that_may_be_drawn_are_those_transformers_warpers_keep():
     reqs = [request(f"r{i}", temperature=0.7, **cut) for i, cut in enumerate(settings)]
     for row in (3, 2 * len(CUTS) + 3):  # a peaked and a flat row, each cut alone
         reqs[row] = request(f"seeded{row}", temperature=0.7, seed=5, **settings[row])
-    probs = Sampler(torch.device("cpu"), 0).probs(logits, metadata(reqs, vocab))
+    probs = whole_vocabulary_probs(candidates(logits, metadata(reqs, vocab)), logits)
     for row, cut in enumerate(settings):
         scores = logits[row : row + 1] / 0.7
         if cut["top_k"] is not None:
