@@ -3,8 +3,6 @@ and what keeps test servers from outliving the test process."""
 
 from __future__ import annotations
 
-import copy
-import functools
 import os
 import shutil
 import signal
@@ -23,7 +21,7 @@ from pagedllm.model.locate import default_model_path, resolve_model_folder
 from .helpers import (
     TEST_ENGINE_ARGS,
     RemoteServer,
-    default_gguf_reader,
+    parse_gguf_once,
     save_mechanism_model,
     shared_server_args,
 )
@@ -96,29 +94,11 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def reference() -> Reference:
-    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
     with pytest.MonkeyPatch.context() as patch:
-        # transformers' GGUF loader parses the file with the `gguf` package's reader three times
-        # and builds its tensor-name map once per tensor: seconds each, the same answers every time
-        default_reader, read = default_gguf_reader(), gguf.GGUFReader
-        patch.setattr(gguf, "GGUFReader", lambda file: default_reader if Path(file) == path else read(file))
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        # and parses its metadata (every token and merge, in Python) once for the config and once for
-        # the tokenizer's config: the same dict both times
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-        load = gguf_utils.load_gguf_checkpoint
-        parse = functools.cache(lambda file: load(file, return_tensors=False))
-
-        def parsed_once(file, return_tensors=False, **kwargs):
-            if return_tensors or kwargs:
-                return load(file, return_tensors=return_tensors, **kwargs)
-            return copy.deepcopy(parse(str(file)))
-
-        patch.setattr(gguf_utils, "load_gguf_checkpoint", parsed_once)
+        parse_gguf_once(patch)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32

@@ -6,6 +6,7 @@ never from one another."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import logging
@@ -527,18 +528,44 @@ GEMMA3_GGUF_LAYER_NAMES = GGUF_LAYER_NAMES | {
 
 
 @functools.cache
-def default_gguf_reader():
-    """The `gguf` package's reader over the default model, made once: it takes seconds over the
-    vocabulary, and both the tiny GGUFs' tokenizer and transformers' reference read it. It parses
-    the file's bytes read into memory rather than the memmap it would map: each of its ~250,000
-    slices of a memmap costs numpy a Python-level finalizer (5.8 against 2.1 s on one host)."""
-    import gguf
+def gguf_reader_in_memory(path: str):
+    """The `gguf` package's reader over `path`, made once per path. It parses the file's bytes
+    read into memory rather than the memmap it would map: each of its ~250,000 slices of a memmap
+    (a 49,152-token vocabulary) costs numpy a Python-level finalizer (5.8 against 2.1 s on one
+    host). For the small files of the tests only."""
     import numpy as np
+    from gguf.gguf_reader import GGUFReader  # the class, also where parse_gguf_once patched it
 
-    path = default_model_path()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(np, "memmap", lambda file, mode="r": np.fromfile(file, dtype=np.uint8))
-        return gguf.GGUFReader(str(path))
+        return GGUFReader(path)
+
+
+def default_gguf_reader():
+    """The reader over the default model: both the tiny GGUFs' tokenizer and transformers'
+    reference read it."""
+    return gguf_reader_in_memory(str(default_model_path().resolve()))
+
+
+def parse_gguf_once(patch: pytest.MonkeyPatch) -> None:
+    """Under `patch`, transformers' GGUF loading makes what it makes, faster: it parses a file with
+    the `gguf` package's reader up to three times (here once, in memory) and builds its tensor-name
+    map once per tensor (here once), and parses the metadata (every token and merge, in Python)
+    for the config and again for the tokenizer's config (here once: the same dict both times)."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    patch.setattr(gguf, "GGUFReader", lambda file: gguf_reader_in_memory(str(Path(file).resolve())))
+    patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    load = gguf_utils.load_gguf_checkpoint
+    parse = functools.cache(lambda file: load(file, return_tensors=False))
+
+    def parsed_once(file, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return load(file, return_tensors=return_tensors, **kwargs)
+        return copy.deepcopy(parse(str(file)))
+
+    patch.setattr(gguf_utils, "load_gguf_checkpoint", parsed_once)
 
 
 @functools.cache
