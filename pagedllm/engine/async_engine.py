@@ -41,6 +41,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pagedllm import limits
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.errors import (
+    EngineUnavailableError,
+    QueueFullError,
+    RequestFailedError,
+    RequestRejectedError,
+)
 from pagedllm.engine.front_step import abort_outputs, add_to_core, step_outputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.messages import EngineRequest, ModelFacts
@@ -71,22 +77,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 StepCallback = Callable[[SchedulerStats, list[RequestOutput]], None]
 """Called on the engine thread after each loop turn with the stats and the outputs (aborts included)."""
-
-
-class QueueFullError(Exception):
-    """The waiting queue would go over --max-queue-len; the client should retry later."""
-
-
-class EngineUnavailableError(Exception):
-    """The engine is shutting down or has died; no request can be served."""
-
-
-class RequestFailedError(Exception):
-    """This request failed inside the engine (the engine itself went on serving the others)."""
-
-
-class RequestRejectedError(RequestFailedError):
-    """This request failed inside the engine because of what it asked for (the client's fault)."""
 
 
 class AsyncLLM:

@@ -183,7 +183,7 @@ def _in_a_fresh_interpreter(code: str) -> None:
 
 def test_version_and_help_do_not_import_torch():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    for argv in (["--version"], ["--help"], ["serve", "--help"]):
+    for argv in (["--version"], ["--help"], ["serve", "--help"], ["router", "--help"], ["analyze", "--help"]):
         _in_a_fresh_interpreter(
             "import contextlib, io, sys\n"
             "from pagedllm.entrypoints.cli.main import main\n"

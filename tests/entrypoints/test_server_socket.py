@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from pagedllm.entrypoints.openai.api_server import bind_socket
+from pagedllm.entrypoints.openai.listen_socket import bind_socket
 
 
 def _nodelay_of_an_accepted_connection(sock: socket.socket) -> int:

@@ -6,9 +6,6 @@ import argparse
 import json
 from dataclasses import asdict
 
-from pagedllm.analysis.prefix_report import analyze_prompts, format_report
-from pagedllm.model.locate import resolve_model_folder
-from pagedllm.tokenizer import load_tokenizer, workload_turns
 from pagedllm.workload import Conversation, load_workload
 
 
@@ -33,6 +30,11 @@ def register(analyze: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    # imported here: they load torch and transformers (seconds), which --help should not wait for
+    from pagedllm.analysis.prefix_report import analyze_prompts, format_report
+    from pagedllm.model.locate import resolve_model_folder
+    from pagedllm.tokenizer import load_tokenizer, workload_turns
+
     tokenizer = load_tokenizer(resolve_model_folder(args.model))
     workload = load_workload(args.workload)
     turns = workload_turns(tokenizer, workload)

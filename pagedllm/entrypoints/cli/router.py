@@ -10,7 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pagedllm import limits
-from pagedllm.entrypoints.openai.api_server import bind_socket
+from pagedllm.entrypoints.openai.listen_socket import bind_socket
 from pagedllm.entrypoints.router.app import build_app
 from pagedllm.entrypoints.router.policy import POLICIES, CacheAware, make_policy
 from pagedllm.entrypoints.router.replicas import ReplicaSet

@@ -39,6 +39,7 @@ from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.async_tokenizer import AsyncTokenizer
 from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.listen_socket import bind_socket
 from pagedllm.entrypoints.openai.server_config import (
     check_server_args,
     make_arg_parser,
@@ -138,24 +139,6 @@ class _Server(uvicorn.Server):
                 self.url,
                 self.settings,
             )
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, made as TCP by name: asyncio turns TCP_NODELAY on only for sockets
-    whose `proto` is IPPROTO_TCP (accepted ones inherit it). Without it a response written as
-    headers, then body waited ~40 ms on a kept-alive connection for the client's delayed ACK
-    (Nagle), on every non-streamed request."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise SystemExit(
-            f"error: cannot listen on {host}:{port}: {error.strerror}; pick another --port"
-        ) from None
-    return sock
 
 
 def _exit_now(message: str, code: int) -> NoReturn:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pagedllm import limits
-from pagedllm.engine.async_engine import (
+from pagedllm.engine.errors import (
     EngineUnavailableError,
     QueueFullError,
     RequestFailedError,

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request, Response
 
-from pagedllm.engine.async_engine import QueueFullError
+from pagedllm.engine.errors import QueueFullError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
