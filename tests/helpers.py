@@ -527,12 +527,11 @@ GEMMA3_GGUF_LAYER_NAMES = GGUF_LAYER_NAMES | {
 }
 
 
-@functools.cache
 def gguf_reader_in_memory(path: str):
-    """The `gguf` package's reader over `path`, made once per path. It parses the file's bytes
-    read into memory rather than the memmap it would map: each of its ~250,000 slices of a memmap
-    (a 49,152-token vocabulary) costs numpy a Python-level finalizer (5.8 against 2.1 s on one
-    host). For the small files of the tests only."""
+    """The `gguf` package's reader over `path`, parsing the file's bytes read into memory rather
+    than the memmap it would map: each of its ~250,000 slices of a memmap (a 49,152-token
+    vocabulary) costs numpy a Python-level finalizer (5.8 against 2.1 s on one host). For the
+    small files of the tests only."""
     import numpy as np
     from gguf.gguf_reader import GGUFReader  # the class, also where parse_gguf_once patched it
 
@@ -541,21 +540,34 @@ def gguf_reader_in_memory(path: str):
         return GGUFReader(path)
 
 
+@functools.cache
 def default_gguf_reader():
-    """The reader over the default model: both the tiny GGUFs' tokenizer and transformers'
-    reference read it."""
+    """The reader over the default model, made once per run: both the tiny GGUFs' tokenizer and
+    transformers' reference read it."""
     return gguf_reader_in_memory(str(default_model_path().resolve()))
 
 
 def parse_gguf_once(patch: pytest.MonkeyPatch) -> None:
-    """Under `patch`, transformers' GGUF loading makes what it makes, faster: it parses a file with
-    the `gguf` package's reader up to three times (here once, in memory) and builds its tensor-name
-    map once per tensor (here once), and parses the metadata (every token and merge, in Python)
-    for the config and again for the tokenizer's config (here once: the same dict both times)."""
+    """Under `patch`, transformers' GGUF loading makes what it makes, faster: the files it reads
+    with the `gguf` package's reader (the config's metadata, more than once) are each parsed once,
+    in memory, while the patch lasts (the default model's reader once per run); its tensor-name
+    map is built once, not once per tensor; and the metadata it parses (every token and merge, in
+    Python) for the config and again for the tokenizer's config is parsed once."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    patch.setattr(gguf, "GGUFReader", lambda file: gguf_reader_in_memory(str(Path(file).resolve())))
+    default = str(default_model_path().resolve())
+    readers: dict[str, object] = {}
+
+    def reader(file) -> object:
+        path = str(Path(file).resolve())
+        if path == default:
+            return default_gguf_reader()
+        if path not in readers:
+            readers[path] = gguf_reader_in_memory(path)
+        return readers[path]
+
+    patch.setattr(gguf, "GGUFReader", reader)
     patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     load = gguf_utils.load_gguf_checkpoint
     parse = functools.cache(lambda file: load(file, return_tensors=False))

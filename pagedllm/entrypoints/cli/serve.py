@@ -34,7 +34,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     del args.model_tag
     check_server_args(parser, args)
     # Imported here, not above: it loads torch and the engine (~4 s), which `serve --help` and a
-    # rejected flag should not wait for.
+    # flag refused by the parser or check_server_args should not wait for.
     from pagedllm.entrypoints.openai.api_server import run_server
 
     run_server(args)
