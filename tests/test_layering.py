@@ -24,6 +24,7 @@ LAYERS: list[list[str]] = [  # lowest first; names are pagedllm's top-level modu
         "cpu_features",
         "cache_dir",
         "host_pages",
+        "forkserver",
         "flags",
         "config",
         "workload",

@@ -1,26 +1,23 @@
 """--distributed-executor-backend mp: ranks 1.. as processes on this host, watched through their
 process sentinels.
 
-Each rank starts clean of this process's threads: forked from a server process that imported
-what a rank runs (torch among it) once, at the first start, and nothing since (Python's
-forkserver; spawned where the platform has none). A rank then starts ~3 s sooner than a spawned
-one, which imports torch itself. The server was started with this process's environment of that
-moment, so each rank is handed the environment as it is at its own start. (The forkserver is one
-per process: a program that uses one too shares it, with this module among its imports.)"""
+Each rank is forked from the forkserver (pagedllm/forkserver.py), which imported what a rank runs
+(this module, torch among its imports) once: a rank starts ~3 s sooner than a spawned one. A server
+starts the forkserver as its own start-up begins (`RANK_PRELOAD`), so that those imports run beside
+its own."""
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from pagedllm.config import EngineConfig
 from pagedllm.executor.distributed import DistributedExecutor
 from pagedllm.executor.rank_main import RankSpec, run_rank
+from pagedllm.forkserver import RANK_PRELOAD, forkserver_context, run_in_environment
 from pagedllm.model.config import ModelConfig
 
 STOP_WAIT_S = 10.0
@@ -35,13 +32,13 @@ class MultiprocExecutor(DistributedExecutor):
         return "127.0.0.1"
 
     def _launch(self, address: str, port: int) -> int:
-        context = _rank_context()
+        context = forkserver_context(RANK_PRELOAD)
         environment = dict(os.environ)
         for rank in range(1, self.tp_size):
             spec = RankSpec(rank, self.tp_size, address, port, rank, self.tp_size, cuda_index=rank)
             process = context.Process(
-                target=_run_rank_in,
-                args=(environment, spec, self.config),
+                target=run_in_environment,
+                args=(environment, run_rank, spec, self.config),
                 name=f"pagedllm-rank-{rank}",
                 daemon=True,
             )
@@ -67,18 +64,3 @@ class MultiprocExecutor(DistributedExecutor):
             if process.is_alive():
                 process.kill()
                 process.join()
-
-
-def _rank_context() -> ForkServerContext | SpawnContext:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])  # what the server imports (a no-op once it runs)
-    return context
-
-
-def _run_rank_in(environment: dict[str, str], spec: RankSpec, config: EngineConfig) -> None:
-    """run_rank with the environment the engine had when it launched the rank."""
-    os.environ.clear()
-    os.environ.update(environment)
-    run_rank(spec, config)

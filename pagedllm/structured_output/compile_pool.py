@@ -21,7 +21,7 @@ its place; so compiles run in a few worker processes (compile_worker.py) and:
 
 A compiled grammar comes back as xgrammar's JSON and is deserialized here against the same
 vocabulary index. A request whose client goes away leaves its compile to finish (or time out) in
-the background: killing it would let a client force process restarts (~2 s of CPU each) for free.
+the background: killing it would let a client force process restarts for free.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class GrammarCompilePool:
 
     @property
     def worker_pids(self) -> list[int]:
-        """The compile processes' ids (for logs and tests)."""
-        return [worker.pid for worker in self._running]
+        """The started compile processes' ids (for logs and tests)."""
+        return [pid for worker in self._running if (pid := worker.pid) is not None]
 
     async def compile(
         self, params: StructuredOutputsParams, client: str | None = None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import psutil
 import pytest
 
 from ..helpers import ASK, MODEL, PERSON, WEATHER, RemoteServer, nested_schema_text, server_engine_args
@@ -62,16 +63,11 @@ def in_background(fn, *args) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-def children_of(pid: int) -> set[int]:
-    children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.add(int(stat.parent.name))
-    return children
+def compile_processes_of(pid: int) -> set[int]:
+    """The server's grammar compile processes: forked by its forkserver child (its other child is
+    the resource tracker)."""
+    descendants = psutil.Process(pid).children(recursive=True)
+    return {process.pid for process in descendants if process.ppid() != pid}
 
 
 def is_running(pid: int) -> bool:
@@ -153,7 +149,7 @@ def test_sigterm_during_a_long_compile_exits_within_the_shutdown_timeout():
             assert chat(http, response_format={"type": "json_object"}).status_code == 200
             thread, cut = in_background(runaway, http)
             time.sleep(1.0)
-            workers = children_of(server.proc.pid)
+            workers = compile_processes_of(server.proc.pid)
             assert workers  # the compile process, compiling
             start = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)

@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 import functools
 
-from pagedllm.entrypoints.openai.server_config import add_server_args, check_server_args
+from pagedllm.entrypoints.openai.server_config import (
+    add_server_args,
+    check_server_args,
+    start_rank_forkserver,
+)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +37,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.model = args.model_tag
     del args.model_tag
     check_server_args(parser, args)
+    start_rank_forkserver(args)
     # Imported here, not above: it loads torch and the engine (~4 s), which `serve --help` and a
     # flag refused by the parser or check_server_args should not wait for.
     from pagedllm.entrypoints.openai.api_server import run_server

@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.server_config import (
     check_server_args,
     make_arg_parser,
     server_config_from_args,
+    start_rank_forkserver,
 )
 from pagedllm.entrypoints.openai.serving_models import ServedModels, parse_lora_modules
 from pagedllm.logger import configure_logging
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = make_arg_parser()
     args = parser.parse_args(argv)
     check_server_args(parser, args)
+    start_rank_forkserver(args)
     run_server(args)
 
 

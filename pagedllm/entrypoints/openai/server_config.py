@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pagedllm import limits
-from pagedllm.config import add_engine_args
+from pagedllm.config import EngineConfig, add_engine_args
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from pagedllm.flags import flag, flag_shape
+from pagedllm.forkserver import RANK_PRELOAD, start_forkserver
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the same routes
@@ -243,3 +244,12 @@ def check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         server_config_from_args(args)
     except ValueError as error:
         parser.error(str(error))
+
+
+def start_rank_forkserver(args: argparse.Namespace) -> None:
+    """Where ranks will be forked on this host, start their forkserver before the server imports
+    the engine: its own imports (~3 s) then run beside the server's, not after them."""
+    size = getattr(args, "tensor_parallel_size", EngineConfig.tensor_parallel_size)  # absent: not given
+    backend = getattr(args, "distributed_executor_backend", EngineConfig.distributed_executor_backend)
+    if size > 1 and backend == "mp":
+        start_forkserver(RANK_PRELOAD)
