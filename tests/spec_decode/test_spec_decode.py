@@ -280,16 +280,32 @@ def test_penalties_count_the_draft_tokens_before_each_position(llm, spec_llm, pe
 def test_a_seeded_request_samples_the_same_tokens_with_speculation(llm, spec_llm):
     """A seed fixes the draws: with speculation the request draws position by position from its
     own generator as plain sampling does, so its tokens are the same, while it still keeps the
-    drafts its draws agree with."""
+    drafts its draws agree with; alone, and in a batch where an unseeded sampled row and a greedy
+    row are checked beside it."""
     kept = 0
-    for seed in range(4):
-        params = SamplingParams(temperature=0.7, top_k=8, max_tokens=40, ignore_eos=True, seed=seed)
+    seeded = [
+        SamplingParams(temperature=0.7, top_k=8, max_tokens=40, ignore_eos=True, seed=seed)
+        for seed in range(4)
+    ]
+    wants = []
+    for seed, params in enumerate(seeded):
         want = llm.generate(REPETITIVE, params, use_tqdm=False)[0]
         got = spec_llm.generate(REPETITIVE, params, use_tqdm=False)[0]
         assert got.outputs[0].token_ids == want.outputs[0].token_ids, seed
         assert got.draft_tokens is not None
         kept += got.draft_tokens[1]
+        wants.append(want.outputs[0].token_ids)
     assert kept > 0, "drafts were checked and kept"
+
+    unseeded = SamplingParams(temperature=0.7, top_k=8, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    mixed = [unseeded, seeded[0], greedy, seeded[1]]  # one step's rows (max_num_seqs 4)
+    outputs = spec_llm.generate([REPETITIVE] * len(mixed), mixed, use_tqdm=False)
+    assert [outputs[i].outputs[0].token_ids for i in (1, 3)] == wants[:2]
+    assert sum(output.draft_tokens[1] for output in outputs if output.draft_tokens) > 0
+    want_greedy = llm.generate(REPETITIVE, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert outputs[2].outputs[0].token_ids == want_greedy
+    assert all(len(output.outputs[0].token_ids) == 40 for output in outputs)
 
 
 def test_aborts_while_checking_drafts_give_every_block_back(spec_llm):
