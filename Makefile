@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	  logging.basicConfig(level=logging.INFO, format='%(message)s'); \
 	  from pagedllm.kernels import cpu_ops; cpu_ops.is_built()" > $(VENV)/kernels-build.log 2>&1 & build=$$!; \
 	  $(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]'; installed=$$?; \
-	  wait $$build; cat $(VENV)/kernels-build.log; exit $$installed
+	  wait $$build; built=$$?; cat $(VENV)/kernels-build.log; [ $$installed = 0 ] && [ $$built = 0 ]
 	# Chromium for tests/entrypoints/test_dashboard_browser.py (Debian's, driven by Playwright): best effort, the
 	# test skips without it
 	@command -v chromium >/dev/null 2>&1 || { \

@@ -1,5 +1,5 @@
 """A grammar compile process for tests/structured_output/test_compile_pool.py:
-`python -m tests.slow_compile_worker` runs compile_worker, except for regexes that start with a marker:
+its main() runs compile_worker's, except for regexes that start with a marker:
 
 - `slow`: compiles after sleeping $PAGEDLLM_TEST_SLOW_COMPILE_S (a legal grammar that holds its
   process for as long as a test needs, on a busy host as on a quiet one);
@@ -38,6 +38,10 @@ def _compile_grammar_for_tests(
     return _compile_grammar(compiler, key, vocab_size)
 
 
-if __name__ == "__main__":
+def main() -> None:
     backend.compile_grammar = _compile_grammar_for_tests  # compile_worker.main imports it at its start
     compile_worker.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -77,7 +77,7 @@ class GrammarCompilePool:
         ping_timeout_s: float = PING_TIMEOUT_S,
     ) -> None:
         """max_per_client: processes one client may hold at once (default: all but one, at
-        least one). worker_module: what `python -m` runs in each process (tests swap it)."""
+        least one). worker_module: the module whose main() each process runs (tests swap it)."""
         self.timeout_s = timeout_s
         self._backend = backend
         self._slots: FairSlots[WorkerProcess] = FairSlots(

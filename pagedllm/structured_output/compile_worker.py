@@ -1,5 +1,6 @@
-"""A grammar compile process: `python -m pagedllm.structured_output.compile_worker`, started and
-killed by GrammarCompilePool. It reads the vocabulary index, answers READY, then compiles one
+"""A grammar compile process: this module's main(), in a process worker_process.py forks (or
+`python -m pagedllm.structured_output.compile_worker` by hand), started and killed by
+GrammarCompilePool. It reads the vocabulary index, answers READY, then compiles one
 grammar per request until its stdin closes.
 
 Messages on stdin/stdout are frames: a status byte and an 8-byte big-endian length, then that

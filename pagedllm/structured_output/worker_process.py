@@ -2,19 +2,20 @@
 pool drives it: start it (READY once the vocabulary index is loaded), ping it, ask it for one
 compile at a time, kill it.
 
-A process is forked from the forkserver (pagedllm/forkserver.py) that imported xgrammar (and with
-it torch and transformers) once: a server's first compile process pays those imports, a later one
-(after a compile cut at its timeout, or a process that died) does not. Like every forkserver
-child it first runs the server's main module again (under its `__main__` guard, importing what
-the forkserver has not), then its own module as `python -m` would, with the pipes for its stdin
-and stdout."""
+A process is forked from the forkserver (pagedllm/forkserver.py) and runs its module's main()
+with the pipes for its stdin and stdout. Where the compile processes started the forkserver, it
+imported xgrammar (and with it torch and transformers) once: a server's first compile process pays
+those imports, a later one (after a compile cut at its timeout, or a process that died) does not.
+Where a tensor-parallel server started it for its ranks (torch imported), each compile process
+imports xgrammar and transformers itself. Like every forkserver child it first runs the server's
+main module again (under its `__main__` guard, importing what the forkserver has not)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
-import runpy
 import sys
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -47,8 +48,8 @@ class WorkerProcess:
 
     @classmethod
     async def start(cls, module: str, tokenizer_info: bytes, running: set[WorkerProcess]) -> WorkerProcess:
-        """A ready worker running `module` as `python -m` runs it, in `running` from its start (so
-        that closing the pool kills it). RuntimeError if it answers anything but READY."""
+        """A ready worker running `module`'s main(), in `running` from its start (so that closing
+        the pool kills it). RuntimeError if it answers anything but READY."""
         loop = asyncio.get_running_loop()
         requests_read, requests_write = os.pipe()
         replies_read, replies_write = os.pipe()
@@ -63,16 +64,17 @@ class WorkerProcess:
         )
         process = forkserver_context(COMPILE_PRELOAD).Process(
             target=run_in_environment,
-            args=(dict(os.environ), _run_as_main, module, *child_ends),
+            args=(dict(os.environ), _run_main, module, *child_ends),
             name="pagedllm-grammar-compile",
             daemon=True,
         )
         requests = asyncio.StreamWriter(transport, protocol, None, loop)
         worker = cls(process, replies, replies_pipe, requests)
         running.add(worker)
+        # in a thread: the forkserver's first start imports its preload before it forks
+        starting = asyncio.ensure_future(asyncio.to_thread(_start, process, child_ends))
         try:
-            # in a thread: the forkserver's first start imports its preload before it forks
-            await asyncio.to_thread(_start, process, child_ends)
+            await asyncio.shield(starting)
             if worker._killed:  # the pool closed while it started
                 raise EOFError("the grammar compile process was killed as it started")
             status, _ = await worker.ask(tokenizer_info)
@@ -80,6 +82,8 @@ class WorkerProcess:
                 raise RuntimeError(f"the grammar compile process answered {status!r} instead of READY")
         except BaseException:
             worker.kill()
+            if not starting.done():  # cancelled (a start timeout) while it started: kill it once started
+                starting.add_done_callback(lambda _: worker.kill())
             running.discard(worker)
             raise
         logger.debug("Started grammar compile process %d", process.pid)
@@ -132,14 +136,14 @@ def _start(process: BaseProcess, child_ends: list[Connection]) -> None:
             end.close()
 
 
-def _run_as_main(module: str, requests: Connection, replies: Connection) -> None:
-    """In the child: `python -m module`, with `requests` for its stdin and `replies` for its stdout."""
+def _run_main(module: str, requests: Connection, replies: Connection) -> None:
+    """In the child: `module`'s main(), with `requests` for its stdin and `replies` for its stdout."""
     os.dup2(requests.fileno(), 0)
     os.dup2(replies.fileno(), 1)
     requests.close()
     replies.close()
-    # held here for the module's whole run, as sys.__stdin__ / __stdout__ hold them in a fresh
-    # interpreter: a module that rebinds sys.stdout (compile_worker does) keeps its stream open
+    # held here for main()'s whole run, as sys.__stdin__ / __stdout__ hold them in a fresh
+    # interpreter: a main() that rebinds sys.stdout (compile_worker's does) keeps its stream open
     streams = open(0, closefd=False), open(1, "w", closefd=False)  # noqa: SIM115
     sys.stdin, sys.stdout = streams
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    importlib.import_module(module).main()
